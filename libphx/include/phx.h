@@ -1,0 +1,266 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * phx.h - the public C API of libphx.
+ *
+ * libphx moves bytes between files (O_DIRECT by default) and memory through
+ * io_uring.  Everything is reached through opaque handles:
+ *
+ *   phx_engine   one io_uring, its bounce buffers, its registered files and
+ *                buffers, and its counters.  Thread-safe: any number of
+ *                threads may submit to and wait on one engine.
+ *   phx_file     a file opened (or adopted) on an engine.
+ *   struct phx_io one read or write request.  Owned by the caller; it must
+ *                stay valid, unmoved, until the engine reports it complete.
+ *
+ * Every function that can fail returns 0 (or a byte count) on success and a
+ * negative errno on failure; none of them touches errno or aborts.  The last
+ * error's text is kept per thread (phx_strerror_last()).
+ *
+ * Requests of any size, alignment and file offset are accepted.  Large ones
+ * are split into chunks of at most max_io_size, kept in flight up to the
+ * queue depth; short transfers are continued; parts that cannot go to the
+ * device directly (unaligned memory, offset or length) go through the
+ * engine's aligned bounce buffers, never through the page cache, and are
+ * counted in phx_stats.bounce_bytes.
+ */
+#ifndef PHX_H
+#define PHX_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PHX_VERSION_MAJOR 0
+#define PHX_VERSION_MINOR 1
+#define PHX_VERSION_PATCH 0
+
+/* ------------------------------------------------------------------------ */
+/* Engines                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct phx_engine phx_engine;
+typedef struct phx_file phx_file;
+
+/* Engine behaviour flags (struct phx_engine_config.flags). */
+enum {
+	/* Do not register files with the ring (use plain fds). */
+	PHX_ENGINE_NO_FIXED_FILES = 1u << 0,
+	/* Do not register bounce buffers as fixed buffers. */
+	PHX_ENGINE_NO_FIXED_BUFS = 1u << 1,
+};
+
+struct phx_engine_config {
+	uint32_t size;		/* sizeof(struct phx_engine_config) */
+	uint32_t queue_depth;	/* requests in flight; ring entries (128) */
+	uint32_t max_io_size;	/* largest single device request (1 MiB) */
+	uint32_t bounce_size;	/* bytes per bounce buffer (1 MiB) */
+	uint32_t bounce_count;	/* bounce buffers (4) */
+	uint32_t flags;		/* PHX_ENGINE_* */
+	uint32_t max_files;	/* registered-file slots (256) */
+	uint32_t reserved[9];
+};
+
+/* Fill @cfg with the defaults above, overridden by PHX_* environment vars. */
+void phx_engine_config_init(struct phx_engine_config *cfg);
+
+/* Create an engine; @cfg may be NULL for the defaults. */
+int phx_engine_create(const struct phx_engine_config *cfg, phx_engine **out);
+
+/*
+ * Destroy an engine.  Waits for every request in flight; files still open
+ * on it are closed.  Returns the first error seen while draining.
+ */
+int phx_engine_destroy(phx_engine *eng);
+
+/* The configuration in force (after defaults and clamping). */
+void phx_engine_config_get(const phx_engine *eng, struct phx_engine_config *cfg);
+
+/* Kernel-level features the engine found when it was created. */
+enum {
+	PHX_FEAT_FIXED_FILES = 1u << 0,	/* files registered with the ring */
+	PHX_FEAT_FIXED_BUFS = 1u << 1,	/* bounce buffers registered */
+	PHX_FEAT_USER_BUFS = 1u << 2,	/* phx_buf_register() available */
+};
+uint32_t phx_engine_features(const phx_engine *eng);
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* phx_file_open() flags (the @phx_flags argument). */
+enum {
+	/* Open without O_DIRECT: all I/O goes through the page cache. */
+	PHX_FILE_BUFFERED = 1u << 0,
+	/*
+	 * If the filesystem refuses O_DIRECT, open buffered instead of failing.
+	 * The choice is visible in phx_file_info.direct and in the counters.
+	 */
+	PHX_FILE_ALLOW_BUFFERED = 1u << 1,
+};
+
+struct phx_file_info {
+	uint32_t size;		/* sizeof(struct phx_file_info) */
+	int fd;			/* the underlying descriptor */
+	int direct;		/* 1 when opened with O_DIRECT */
+	int registered;		/* 1 when registered with the ring */
+	uint32_t mem_align;	/* required buffer alignment for O_DIRECT */
+	uint32_t offset_align;	/* required offset/length alignment */
+	int align_from_statx;	/* 1: from statx(STATX_DIOALIGN); 0: default */
+	int open_flags;		/* flags passed to open(2) */
+	uint32_t reserved[8];
+};
+
+/*
+ * Open @path with open(2) @flags (O_RDONLY, O_RDWR | O_CREAT, ...) and
+ * @mode.  O_DIRECT is added unless PHX_FILE_BUFFERED is given.
+ */
+int phx_file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
+		  uint32_t phx_flags, phx_file **out);
+
+/* Adopt an fd the caller keeps owning (phx_file_close() does not close it). */
+int phx_file_from_fd(phx_engine *eng, int fd, phx_file **out);
+
+/* Close the file; fails with -EBUSY while requests on it are in flight. */
+int phx_file_close(phx_file *f);
+
+int phx_file_get_info(const phx_file *f, struct phx_file_info *info);
+
+/* ------------------------------------------------------------------------ */
+/* Registered host buffers                                                  */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Register [addr, addr + len) as an io_uring fixed buffer.  Direct requests
+ * that fall inside a registered buffer use READ_FIXED/WRITE_FIXED (no page
+ * pinning per request).  Fails with -ENOMEM/-EPERM under RLIMIT_MEMLOCK,
+ * -EOPNOTSUPP where the kernel lacks sparse buffer tables.
+ */
+int phx_buf_register(phx_engine *eng, void *addr, size_t len);
+int phx_buf_deregister(phx_engine *eng, void *addr);
+
+/* ------------------------------------------------------------------------ */
+/* Requests                                                                 */
+/* ------------------------------------------------------------------------ */
+
+enum phx_op {
+	PHX_OP_READ = 0,
+	PHX_OP_WRITE = 1,
+};
+
+/* Which path moved a request's bytes (phx_io.paths, a bit set). */
+enum {
+	PHX_PATH_DIRECT = 1u << 0,	/* O_DIRECT straight into the buffer */
+	PHX_PATH_BOUNCE = 1u << 1,	/* O_DIRECT through a bounce buffer */
+	PHX_PATH_BUFFERED = 1u << 2,	/* page cache (buffered file) */
+};
+
+/*
+ * One request.  The caller fills the first block, calls phx_io_init() or
+ * zeroes the rest, and must not touch it until it completes.
+ */
+struct phx_io {
+	/* in */
+	phx_file *file;
+	void *buf;
+	size_t len;
+	uint64_t offset;
+	uint32_t op;		/* enum phx_op */
+	uint32_t flags;		/* reserved, 0 */
+	void *user_data;	/* returned untouched */
+
+	/* out, valid once complete */
+	int64_t result;		/* bytes moved, or -errno */
+	uint32_t paths;		/* PHX_PATH_* that carried bytes */
+	uint32_t done;		/* nonzero once complete */
+
+	/* engine-private */
+	uint64_t priv[16];
+};
+
+/* Zero @io and fill its in-fields. */
+void phx_io_prep(struct phx_io *io, phx_file *f, enum phx_op op, void *buf,
+		 size_t len, uint64_t offset);
+
+/*
+ * Synchronous read/write: returns the bytes moved or -errno.  A read that
+ * reaches end of file returns the short count (0 at or past it).
+ */
+int64_t phx_pread(phx_file *f, void *buf, size_t len, uint64_t offset);
+int64_t phx_pwrite(phx_file *f, const void *buf, size_t len, uint64_t offset);
+
+/*
+ * Submit @n requests at once and wait for all of them.  Returns 0 when all
+ * were submitted and have completed (each io->result says how it went), or
+ * -errno when the batch itself was refused (nothing then is in flight).
+ */
+int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n);
+
+/*
+ * Asynchronous: queue @n requests and return.  Completion is observed with
+ * phx_wait(), phx_poll() or by waiting on phx_engine_eventfd().
+ */
+int phx_submit(phx_engine *eng, struct phx_io *const *ios, size_t n);
+
+/*
+ * Drive the engine until @io completes or @timeout_ns passes (< 0: forever).
+ * Returns 0 when complete (see io->result), -ETIME on timeout.
+ */
+int phx_wait(phx_engine *eng, struct phx_io *io, int64_t timeout_ns);
+
+/*
+ * Reap whatever has completed without blocking, keep queued work moving, and
+ * hand back up to @max completed asynchronous requests.  Returns their
+ * number.  Requests are handed back once, here or (if waited on) never.
+ */
+int phx_poll(phx_engine *eng, struct phx_io **done, size_t max);
+
+/*
+ * An eventfd that becomes readable whenever the engine may have progress to
+ * report: read it (to reset), then call phx_poll().  Owned by the engine.
+ */
+int phx_engine_eventfd(phx_engine *eng);
+
+/* ------------------------------------------------------------------------ */
+/* Counters                                                                 */
+/* ------------------------------------------------------------------------ */
+
+struct phx_stats {
+	uint64_t reads;			/* requests completed, by op */
+	uint64_t writes;
+	uint64_t bytes_read;		/* bytes moved, by op */
+	uint64_t bytes_written;
+	uint64_t direct_bytes;		/* by path: O_DIRECT, user memory */
+	uint64_t bounce_bytes;		/* O_DIRECT through bounce buffers */
+	uint64_t buffered_bytes;	/* page cache */
+	uint64_t bounce_ios;		/* requests that needed a bounce */
+	uint64_t rmw_ios;		/* partial-block writes (read first) */
+	uint64_t short_ios;		/* short transfers that were continued */
+	uint64_t fixed_buf_ios;		/* device requests on fixed buffers */
+	uint64_t sqes;			/* device requests issued */
+	uint64_t submits;		/* io_uring_submit calls */
+	uint64_t errors;		/* requests that failed */
+	uint64_t reserved[10];
+};
+
+void phx_engine_stats(phx_engine *eng, struct phx_stats *st);
+void phx_engine_stats_reset(phx_engine *eng);
+
+/* ------------------------------------------------------------------------ */
+/* Errors and version                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Text of the last error returned to this thread (never NULL). */
+const char *phx_strerror_last(void);
+
+/* "MAJOR.MINOR.PATCH" of the library actually loaded. */
+const char *phx_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PHX_H */
