@@ -1,0 +1,95 @@
+"""Pieces every ``phx bench`` shares: progress, repeats, tables, JSON, caches.
+
+Benchmarks compare engines side by side in one run; these helpers keep the
+way they measure and report identical.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A progress bar on stderr (tqdm), or a no-op object when disabled."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="row", file=sys.stderr,
+                disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache; False (and nothing done) without root."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def median_spread(values: Sequence[float]) -> tuple[float, float]:
+    """Median and relative spread ((max - min) / median) of repeated figures."""
+    med = statistics.median(values)
+    spread = (max(values) - min(values)) / med if med else 0.0
+    return med, spread
+
+
+def machine_description() -> dict[str, Any]:
+    """Where a figure was taken: host, kernel, CPUs, memory."""
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "mem_bytes": mem,
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def fmt_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain, aligned text table."""
+    cells = [[str(h) for h in headers]]
+    for r in rows:
+        cells.append([f"{c:.3g}" if isinstance(c, float) else str(c) for c in r])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """Write a result document (with the machine description) to ``path``."""
+    if not path:
+        return
+    payload = {"machine": machine_description(), **payload}
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+def run_quiet(cmd: Sequence[str], **kw) -> subprocess.CompletedProcess:
+    """Run a command, capturing output; raise with its stderr on failure."""
+    p = subprocess.run(list(cmd), capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
+    return p
