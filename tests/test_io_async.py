@@ -1,0 +1,349 @@
+"""pread_async / pwrite_async futures, and many requests from many threads.
+
+Futures must behave like concurrent.futures ones: result() returns the byte
+count (waiting as needed, from any thread, by several waiters at once),
+done() turns true on its own while someone polls it, result(timeout) raises
+TimeoutError while pending.  Buffers passed to an async call must stay alive
+until it completes even if the caller drops its reference.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import phx
+from conftest import KiB, MiB, assert_same, fresh_bytes, write_file
+
+FILE_SIZE = 8 * MiB + 123
+
+
+@pytest.fixture
+def src(data_dir, rng):
+    path = os.path.join(data_dir, "src")
+    data = fresh_bytes(rng, FILE_SIZE)
+    write_file(path, data)
+    return path, data
+
+
+def test_pread_async_basic(src, rng):
+    path, data = src
+    with phx.open(path, "r") as f:
+        buf = bytearray(fresh_bytes(rng, 1 * MiB + 7))
+        fut = f.pread_async(buf, 4097)
+        assert isinstance(fut, phx.Future)
+        assert fut.result() == 1 * MiB + 7
+        assert fut.done() is True
+        assert fut.result() == 1 * MiB + 7  # idempotent
+        assert fut.result(timeout=0) == 1 * MiB + 7
+    assert_same(buf, data[4097:4097 + 1 * MiB + 7])
+
+
+def test_pwrite_async_basic(data_dir, rng):
+    path = os.path.join(data_dir, "w")
+    a = fresh_bytes(rng, 300_001)
+    with phx.open(path, "w+") as f:
+        fut = f.pwrite_async(a, 511)
+        assert fut.result(timeout=60) == 300_001
+        assert fut.done()
+    with open(path, "rb") as g:
+        got = g.read()
+    assert len(got) == 511 + 300_001
+    assert_same(got[511:], a)
+
+
+def test_async_past_eof(src, rng):
+    path, data = src
+    with phx.open(path, "r") as f:
+        futs = [f.pread_async(bytearray(8192), FILE_SIZE - 100),
+                f.pread_async(bytearray(10), FILE_SIZE),
+                f.pread_async(bytearray(10), FILE_SIZE + 4096)]
+        assert [x.result() for x in futs] == [100, 0, 0]
+
+
+def test_done_becomes_true_by_polling(src, rng):
+    """Nobody calls result(): polling done() alone must see completion."""
+    path, data = src
+    with phx.open(path, "r") as f:
+        buf = phx.empty_aligned(4 * MiB)
+        fut = f.pread_async(buf, 0)
+        deadline = time.monotonic() + 60
+        while not fut.done():
+            assert time.monotonic() < deadline, "done() never became true"
+            time.sleep(0.001)
+        assert fut.result(timeout=0) == 4 * MiB
+    assert_same(buf, data[:4 * MiB])
+
+
+def test_result_timeout_while_pending(data_dir, rng):
+    """result(timeout) raises TimeoutError while the request cannot finish.
+
+    A read from an empty FIFO (opened buffered) stays pending until something
+    is written into the FIFO."""
+    fifo = os.path.join(data_dir, "fifo")
+    os.mkfifo(fifo)
+    try:
+        f = phx.open(fifo, "r+", direct=False)
+    except OSError as e:
+        pytest.skip(f"phx cannot open a FIFO ({e}); no way to hold a request pending")
+    with f:
+        buf = bytearray(64)
+        fut = f.pread_async(buf, 0)
+        time.sleep(0.05)
+        if fut.done():
+            pytest.skip(f"the engine completed a FIFO read at once ({fut.result()!r}); "
+                        "cannot hold a request pending this way")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=0.2)
+        assert time.monotonic() - t0 >= 0.15  # it did wait (not a timing benchmark)
+        assert not fut.done()
+        payload = fresh_bytes(rng, 64)
+        wfd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(wfd, payload)
+        finally:
+            os.close(wfd)
+        assert fut.result(timeout=60) == 64
+        assert fut.done()
+    assert bytes(buf) == payload
+
+
+def test_buffer_kept_alive_by_future(data_dir, src, rng):
+    """The caller drops its only reference to the buffer; the future keeps it."""
+    path, data = src
+    out = os.path.join(data_dir, "o")
+    with phx.open(out, "w+") as f:
+        futs = [f.pwrite_async(bytes(fresh_bytes(rng, 64 * KiB)), i * 64 * KiB) for i in range(32)]
+        # Garbage to reuse freed memory if the buffers were not kept alive.
+        junk = [bytearray(64 * KiB) for _ in range(64)]
+        assert [x.result() for x in futs] == [64 * KiB] * 32
+        del junk
+    with phx.open(path, "r") as f:
+        futs = [f.pread_async(bytearray(4096), 0) for _ in range(16)]
+        assert all(x.result() == 4096 for x in futs)
+
+
+def test_future_outlives_file_object(src, rng):
+    """No explicit close: dropping the File while a request is in flight must
+    neither crash nor lose the request."""
+    path, data = src
+    buf = bytearray(2 * MiB)
+    f = phx.open(path, "r")
+    fut = f.pread_async(buf, 100)
+    del f
+    assert fut.result(timeout=60) == 2 * MiB
+    assert_same(buf, data[100:100 + 2 * MiB])
+
+
+def test_close_with_requests_in_flight(src, rng):
+    """close() while requests are in flight either waits for them or raises
+    OSError(EBUSY); the futures complete with the right bytes either way."""
+    path, data = src
+    bufs = [phx.empty_aligned(1 * MiB) for _ in range(8)]
+    f = phx.open(path, "r")
+    futs = [f.pread_async(b, i * MiB) for i, b in enumerate(bufs)]
+    try:
+        f.close()
+    except OSError as e:
+        import errno
+        assert e.errno == errno.EBUSY, e
+        for x in futs:
+            x.result(timeout=60)
+        f.close()
+    assert [x.result(timeout=60) for x in futs] == [1 * MiB] * 8
+    for i, b in enumerate(bufs):
+        assert_same(b, data[i * MiB:(i + 1) * MiB], f"buffer {i}")
+
+
+def test_result_from_other_threads(src, rng):
+    """Submit in one thread, resolve in others; several waiters on one future."""
+    path, data = src
+    q: queue.Queue = queue.Queue()
+    results = {}
+    errors = []
+    with phx.open(path, "r") as f:
+        specs = [(int(rng.integers(0, FILE_SIZE)), int(rng.integers(1, 200_000))) for _ in range(200)]
+
+        def submitter():
+            for i, (off, ln) in enumerate(specs):
+                b = bytearray(ln)
+                q.put((i, off, ln, b, f.pread_async(b, off)))
+            for _ in range(4):
+                q.put(None)
+
+        def resolver():
+            try:
+                while (item := q.get()) is not None:
+                    i, off, ln, b, fut = item
+                    n = fut.result(timeout=120)
+                    results[i] = (n, bytes(b[:n]), off, ln)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=resolver) for _ in range(4)]
+        for t in ts:
+            t.start()
+        submitter()
+        for t in ts:
+            t.join(180)
+        assert not errors, errors
+        assert len(results) == 200
+        for i, (n, got, off, ln) in results.items():
+            exp = data[off:off + ln]
+            assert n == len(exp), (i, off, ln)
+            assert_same(got, exp, f"request {i}")
+
+        # many waiters on the same future
+        big = phx.empty_aligned(4 * MiB)
+        fut = f.pread_async(big, 4 * MiB)
+        seen = []
+        ws = [threading.Thread(target=lambda: seen.append(fut.result(timeout=120))) for _ in range(6)]
+        for t in ws:
+            t.start()
+        for t in ws:
+            t.join(180)
+        assert seen == [4 * MiB] * 6
+        assert_same(big, data[4 * MiB:8 * MiB])
+
+
+def _thread_workload(f, data, rng_seed, nreq, region, write_path_data, errors, tid):
+    """nreq random async reads (anywhere) and writes (only into this thread's
+    region, non-overlapping) interleaved; verify all reads."""
+    try:
+        r = np.random.default_rng(rng_seed)
+        lo, hi, _ = region
+        slot = (hi - lo) // nreq
+        pending = []
+        for i in range(nreq):
+            if i % 2 == 0:
+                off = int(r.integers(0, FILE_SIZE))
+                ln = int(r.choice([1, 4095, 4096, 4097, int(r.integers(1, 128 * KiB))]))
+                b = bytearray(ln)
+                pending.append(("r", off, ln, b, f.pread_async(b, off)))
+            else:
+                ln = int(r.integers(1, slot + 1))
+                off = lo + i * slot
+                payload = r.bytes(ln)
+                write_path_data.append((off, payload))
+                pending.append(("w", off, ln, payload, f.pwrite_async(payload, off)))
+            if len(pending) > 32:
+                _check(pending.pop(0), data, region)
+        for p in pending:
+            _check(p, data, region)
+    except BaseException as e:  # noqa: BLE001
+        errors.append((tid, e))
+
+
+def _check(p, data, region):
+    kind, off, ln, b, fut = p
+    n = fut.result(timeout=120)
+    if kind == "w":
+        assert n == ln
+        return
+    exp = data[off:off + ln]
+    assert n == len(exp)
+    # Reads that overlap any writer's region race with the writers: only
+    # check reads entirely below the written area.
+    if off + ln <= region[2]:
+        assert_same(b[:n], exp, f"async read {ln} @ {off}")
+
+
+@pytest.mark.parametrize("shared_engine", [True, False], ids=["shared-engine", "per-thread-engine"])
+def test_8_threads_x_200_requests(src, rng, shared_engine):
+    path, data = src
+    nthreads, nreq = 8, 200
+    # writes go to the upper half; reads are verified when below it
+    wlo = FILE_SIZE // 2
+    per = (FILE_SIZE - wlo) // nthreads
+    errors: list = []
+    written: list[list] = [[] for _ in range(nthreads)]
+    files = []
+    if shared_engine:
+        eng = phx.Engine()
+        shared = phx.open(path, "r+", engine=eng)
+        files = [shared] * nthreads
+    else:
+        files = [phx.open(path, "r+", engine=phx.Engine()) for _ in range(nthreads)]
+    threads = []
+    for t in range(nthreads):
+        region = (wlo + t * per, wlo + (t + 1) * per, wlo)
+        threads.append(threading.Thread(
+            target=_thread_workload,
+            args=(files[t], data, int(rng.integers(1 << 62)), nreq, region, written[t], errors, t)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "threads hung"
+    for fobj in {id(x): x for x in files}.values():
+        fobj.close()
+    assert not errors, errors
+    expected = bytearray(data)
+    for lst in written:
+        for off, payload in lst:
+            expected[off:off + len(payload)] = payload
+    with open(path, "rb") as g:
+        assert_same(g.read(), bytes(expected), "file after concurrent writes")
+
+
+def test_many_outstanding_beyond_queue_depth(src, rng):
+    """2000 futures outstanding on an engine with queue_depth=4 and one small
+    bounce buffer: everything queues, nothing deadlocks, all bytes right."""
+    path, data = src
+    eng = phx.Engine(queue_depth=4, bounce_count=1, bounce_size=4096, max_io_size=64 * KiB)
+    with phx.open(path, "r", engine=eng) as f:
+        reqs = []
+        for _ in range(2000):
+            off = int(rng.integers(0, FILE_SIZE))
+            ln = int(rng.integers(1, 20_000))
+            b = bytearray(ln)
+            reqs.append((off, ln, b, f.pread_async(b, off)))
+        for off, ln, b, fut in reversed(reqs):
+            n = fut.result(timeout=300)
+            exp = data[off:off + ln]
+            assert n == len(exp)
+            assert_same(b[:n], exp, f"{ln} @ {off}")
+
+
+def test_sync_and_async_mixed_threads(src, rng):
+    """Sync preads in 4 threads while 4 others use futures, one engine."""
+    path, data = src
+    errors = []
+    with phx.open(path, "r") as f:
+        def sync_worker(seed):
+            try:
+                r = np.random.default_rng(seed)
+                for _ in range(150):
+                    off = int(r.integers(0, FILE_SIZE)); ln = int(r.integers(1, 50_000))
+                    b = bytearray(ln)
+                    n = f.pread(b, off)
+                    assert_same(b[:n], data[off:off + ln])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def async_worker(seed):
+            try:
+                r = np.random.default_rng(seed)
+                items = []
+                for _ in range(150):
+                    off = int(r.integers(0, FILE_SIZE)); ln = int(r.integers(1, 50_000))
+                    b = bytearray(ln)
+                    items.append((off, ln, b, f.pread_async(b, off)))
+                for off, ln, b, fut in items:
+                    n = fut.result(timeout=120)
+                    assert_same(b[:n], data[off:off + ln])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=sync_worker if i % 2 else async_worker,
+                               args=(int(rng.integers(1 << 62)),)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(300)
+    assert not errors, errors
