@@ -158,9 +158,19 @@ enum {
 	PHX_PATH_BUFFERED = 1u << 2,	/* page cache (buffered file) */
 };
 
+/* Request flags (struct phx_io.flags). */
+enum {
+	/*
+	 * An asynchronous request the caller will phx_wait() on (or watch
+	 * phx_io.done for): phx_poll() never hands it back.
+	 */
+	PHX_IO_NO_POLL = 1u << 0,
+};
+
 /*
- * One request.  The caller fills the first block, calls phx_io_init() or
- * zeroes the rest, and must not touch it until it completes.
+ * One request.  The caller fills the first block with phx_io_prep() (which
+ * zeroes the rest) and must not touch it until it completes.  Requests that
+ * overlap in the file are not ordered with respect to each other.
  */
 struct phx_io {
 	/* in */
@@ -169,13 +179,13 @@ struct phx_io {
 	size_t len;
 	uint64_t offset;
 	uint32_t op;		/* enum phx_op */
-	uint32_t flags;		/* reserved, 0 */
+	uint32_t flags;		/* PHX_IO_* */
 	void *user_data;	/* returned untouched */
 
 	/* out, valid once complete */
 	int64_t result;		/* bytes moved, or -errno */
 	uint32_t paths;		/* PHX_PATH_* that carried bytes */
-	uint32_t done;		/* nonzero once complete */
+	uint32_t done;		/* nonzero once complete (read it atomically) */
 
 	/* engine-private */
 	uint64_t priv[16];

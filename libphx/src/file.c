@@ -1,0 +1,204 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * file.c - opening files on an engine: O_DIRECT, alignment, registration.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifndef STATX_DIOALIGN
+#define STATX_DIOALIGN 0x00002000U
+#endif
+
+/*
+ * O_DIRECT alignment from statx(STATX_DIOALIGN) (Linux >= 6.1); 4096 for
+ * both where the kernel does not say, which every device accepts.
+ */
+static void file_alignment(phx_file *f)
+{
+	struct statx stx;
+
+	f->mem_align = PHX_PAGE;
+	f->offset_align = PHX_PAGE;
+	f->align_from_statx = false;
+	memset(&stx, 0, sizeof(stx));
+	if (statx(f->fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+	    (stx.stx_mask & STATX_DIOALIGN) && stx.stx_dio_offset_align &&
+	    stx.stx_dio_mem_align) {
+		f->mem_align = stx.stx_dio_mem_align;
+		f->offset_align = stx.stx_dio_offset_align;
+		f->align_from_statx = true;
+	}
+}
+
+static void file_register(phx_engine *eng, phx_file *f)
+{
+	uint32_t i;
+
+	f->slot = -1;
+	if (!(eng->features & PHX_FEAT_FIXED_FILES))
+		return;
+	for (i = 0; i < eng->cfg.max_files; i++) {
+		if (eng->file_slots[i] != -1)
+			continue;
+		if (io_uring_register_files_update(&eng->ring, i, &f->fd, 1) == 1) {
+			eng->file_slots[i] = f->fd;
+			f->slot = (int)i;
+		}
+		return;
+	}
+}
+
+static void file_unregister(phx_engine *eng, phx_file *f)
+{
+	int minus_one = -1;
+
+	if (f->slot < 0)
+		return;
+	io_uring_register_files_update(&eng->ring, f->slot, &minus_one, 1);
+	eng->file_slots[f->slot] = -1;
+	f->slot = -1;
+}
+
+static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
+		       phx_file **out)
+{
+	phx_file *f;
+	int fl;
+
+	fl = fcntl(fd, F_GETFL);
+	if (fl < 0)
+		return phx_err(-errno, "fd %d", fd);
+	f = calloc(1, sizeof(*f));
+	if (!f)
+		return phx_err(-ENOMEM, "out of memory");
+	f->eng = eng;
+	f->fd = fd;
+	f->owns_fd = owns;
+	f->open_flags = fl;
+	f->direct = !!(fl & O_DIRECT);
+	/* What the caller asked for, which may be less than the fd allows. */
+	if (acc < 0)
+		acc = fl & O_ACCMODE;
+	f->readable = acc != O_WRONLY;
+	f->writable = acc != O_RDONLY;
+	file_alignment(f);
+	pthread_mutex_lock(&eng->lock);
+	file_register(eng, f);
+	f->next = eng->files;
+	eng->files = f;
+	pthread_mutex_unlock(&eng->lock);
+	*out = f;
+	return 0;
+}
+
+PHX_EXPORT int phx_file_open(phx_engine *eng, const char *path, int flags,
+			     mode_t mode, uint32_t phx_flags, phx_file **out)
+{
+	int fd, ret;
+
+	if (!eng || !path || !out)
+		return phx_err(-EINVAL, "phx_file_open: NULL argument");
+	*out = NULL;
+	if (phx_flags & ~(PHX_FILE_BUFFERED | PHX_FILE_ALLOW_BUFFERED))
+		return phx_err(-EINVAL, "%s: unknown phx flags 0x%x", path, phx_flags);
+	if (flags & O_APPEND)
+		return phx_err(-EINVAL, "%s: O_APPEND is not supported (offsets are explicit)",
+			       path);
+	flags |= O_CLOEXEC;
+	if (!(phx_flags & PHX_FILE_BUFFERED))
+		flags |= O_DIRECT;
+	else
+		flags &= ~O_DIRECT;
+	/*
+	 * Partial-block O_DIRECT writes read the block first, so a write-only
+	 * request is opened read-write where permissions allow.
+	 */
+	fd = -1;
+	if ((flags & O_DIRECT) && (flags & O_ACCMODE) == O_WRONLY)
+		fd = open(path, (flags & ~O_ACCMODE) | O_RDWR, mode);
+	if (fd < 0)
+		fd = open(path, flags, mode);
+	if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) &&
+	    (phx_flags & PHX_FILE_ALLOW_BUFFERED))
+		fd = open(path, flags & ~O_DIRECT, mode);
+	if (fd < 0) {
+		ret = -errno;
+		return phx_err(ret, "%s%s", path,
+			       ret == -EINVAL && (flags & O_DIRECT) ?
+			       " (the filesystem refuses O_DIRECT; open buffered to use the page cache)" : "");
+	}
+	ret = file_attach(eng, fd, true, flags & O_ACCMODE, out);
+	if (ret)
+		close(fd);
+	return ret;
+}
+
+PHX_EXPORT int phx_file_from_fd(phx_engine *eng, int fd, phx_file **out)
+{
+	if (!eng || !out || fd < 0)
+		return phx_err(-EINVAL, "phx_file_from_fd: bad argument");
+	return file_attach(eng, fd, false, -1, out);
+}
+
+static void file_free(phx_engine *eng, phx_file *f)
+{
+	phx_file **pp;
+
+	for (pp = &eng->files; *pp; pp = &(*pp)->next) {
+		if (*pp == f) {
+			*pp = f->next;
+			break;
+		}
+	}
+	file_unregister(eng, f);
+	if (f->owns_fd)
+		close(f->fd);
+	free(f);
+}
+
+PHX_EXPORT int phx_file_close(phx_file *f)
+{
+	phx_engine *eng;
+
+	if (!f)
+		return 0;
+	eng = f->eng;
+	pthread_mutex_lock(&eng->lock);
+	if (f->refs) {
+		pthread_mutex_unlock(&eng->lock);
+		return phx_err(-EBUSY, "file has %u requests in flight", f->refs);
+	}
+	file_free(eng, f);
+	pthread_mutex_unlock(&eng->lock);
+	return 0;
+}
+
+void file_close_all(phx_engine *eng)
+{
+	pthread_mutex_lock(&eng->lock);
+	while (eng->files)
+		file_free(eng, eng->files);
+	pthread_mutex_unlock(&eng->lock);
+}
+
+PHX_EXPORT int phx_file_get_info(const phx_file *f, struct phx_file_info *info)
+{
+	if (!f || !info)
+		return phx_err(-EINVAL, "phx_file_get_info: NULL argument");
+	memset(info, 0, sizeof(*info));
+	info->size = sizeof(*info);
+	info->fd = f->fd;
+	info->direct = f->direct;
+	info->registered = f->slot >= 0;
+	info->mem_align = f->mem_align;
+	info->offset_align = f->offset_align;
+	info->align_from_statx = f->align_from_statx;
+	info->open_flags = f->open_flags;
+	return 0;
+}

@@ -1,0 +1,167 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * internal.h - state shared by libphx's source files; not installed.
+ *
+ * Locking: one mutex per engine (eng->lock) protects everything below that
+ * is not marked otherwise.  The completion queue is touched only by the
+ * thread that holds eng->reaping (see engine.c).
+ */
+#ifndef PHX_INTERNAL_H
+#define PHX_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <liburing.h>
+
+#include "phx.h"
+
+#define PHX_EXPORT __attribute__((visibility("default")))
+
+#define PHX_DEFAULT_QD 128u
+#define PHX_DEFAULT_MAX_IO (1u << 20)
+#define PHX_DEFAULT_BOUNCE_SIZE (1u << 20)
+#define PHX_DEFAULT_BOUNCE_COUNT 4u
+#define PHX_DEFAULT_MAX_FILES 256u
+#define PHX_USER_BUF_SLOTS 64u
+#define PHX_PAGE 4096u
+
+/* How a request is cut into chunks (decided once, at submission). */
+enum io_mode {
+	MODE_DIRECT,	/* everything aligned: direct chunks only */
+	MODE_SPLIT,	/* bounced head, direct middle, bounced tail */
+	MODE_BOUNCE,	/* memory not congruent with the file: all bounced */
+	MODE_BUFFERED,	/* page-cache file */
+};
+
+/* What one in-flight device operation is doing. */
+enum chunk_kind {
+	CH_DIRECT,	/* caller memory, O_DIRECT */
+	CH_BUFFERED,	/* caller memory, page cache */
+	CH_BOUNCE_READ,	/* device -> bounce, then copy out */
+	CH_BOUNCE_WRITE,	/* copy in, bounce -> device */
+	CH_RMW_READ,	/* read the blocks a partial write will rewrite */
+};
+
+struct phx_file {
+	phx_engine *eng;
+	int fd;
+	bool owns_fd;
+	bool direct;
+	bool readable;
+	bool writable;
+	int slot;		/* registered-file index, or -1 */
+	uint32_t mem_align;
+	uint32_t offset_align;
+	bool align_from_statx;
+	int open_flags;
+	uint32_t refs;		/* requests queued or in flight */
+	struct phx_file *next;	/* engine's list of open files */
+};
+
+/* A request's private state, kept in struct phx_io.priv. */
+struct io_priv {
+	struct phx_io *next;	/* pending queue or poll list link */
+	uint64_t cursor;	/* next file offset to cut a chunk at */
+	uint64_t end;		/* offset + len */
+	uint64_t mid0, mid1;	/* MODE_SPLIT: the direct middle [mid0, mid1) */
+	uint64_t eof;		/* lowest end of file seen, or UINT64_MAX */
+	uint64_t trunc_to;	/* size a padded write must be cut back to */
+	uint64_t padded_end;	/* size a padded write left the file at */
+	int64_t err;		/* first error, or 0 */
+	uint32_t chunks;	/* chunks in flight */
+	uint8_t mode;		/* enum io_mode */
+	uint8_t async;		/* submitted with phx_submit() */
+	uint8_t queued;		/* still on the pending queue */
+	uint8_t pollable;	/* goes on the poll list when done */
+};
+
+_Static_assert(sizeof(struct io_priv) <= sizeof(((struct phx_io *)0)->priv),
+	       "struct io_priv outgrew struct phx_io.priv");
+
+static inline struct io_priv *io_priv(struct phx_io *io)
+{
+	return (struct io_priv *)io->priv;
+}
+
+struct chunk {
+	struct phx_io *io;
+	struct chunk *next_free;
+	uint8_t kind;		/* enum chunk_kind */
+	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
+	bool in_use;
+	bool rmw;		/* a read-modify-write, in either phase */
+	int bounce;		/* bounce index, or -1 */
+	int buf_index;		/* fixed-buffer index, or -1 */
+	char *mem;		/* memory of the device op */
+	uint64_t dev_off;	/* device op range */
+	uint64_t dev_len;
+	uint64_t done;		/* bytes of the device op completed */
+	uint64_t user_off;	/* file range of caller data it carries */
+	uint64_t user_len;
+};
+
+struct user_buf {
+	char *addr;
+	size_t len;
+	int index;		/* fixed-buffer index; 0 len = free slot */
+};
+
+struct phx_engine {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;	/* signalled when a reaper finishes */
+	struct io_uring ring;
+	struct phx_engine_config cfg;
+	uint32_t features;
+	bool reaping;		/* a thread owns the completion queue */
+	uint32_t inflight;	/* chunks prepared or submitted */
+	uint32_t unsubmitted;	/* SQEs prepared since the last submit */
+	uint32_t rmw_inflight;	/* chunks with rmw set */
+
+	struct chunk *chunks;	/* queue_depth of them */
+	struct chunk *free_chunks;
+
+	char *bounce_mem;	/* bounce_count * bounce_size, page aligned */
+	int *bounce_free;	/* stack of free bounce indices */
+	uint32_t nbounce_free;
+
+	struct phx_io *pend_head, *pend_tail;	/* requests with chunks to cut */
+	struct phx_io *poll_head, *poll_tail;	/* done, not yet handed back */
+
+	int efd;		/* eventfd, or -1 until asked for */
+	int *file_slots;	/* registered-file table (fd or -1) */
+	struct phx_file *files;
+	struct user_buf ubufs[PHX_USER_BUF_SLOTS];
+
+	struct phx_stats st;
+};
+
+/* error.c */
+int phx_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* io.c: request life cycle (lock held) */
+int io_validate(struct phx_io *io);
+void io_start(phx_engine *eng, struct phx_io *io, bool async);
+void io_fill(phx_engine *eng);
+void io_complete_cqe(phx_engine *eng, struct chunk *c, int res);
+
+/* engine.c */
+void engine_submit_locked(phx_engine *eng);
+void engine_notify(phx_engine *eng);
+int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
+		    bool block);
+
+/* file.c */
+void file_close_all(phx_engine *eng);
+
+static inline uint64_t align_down(uint64_t x, uint64_t a)
+{
+	return x - x % a;
+}
+
+static inline uint64_t align_up(uint64_t x, uint64_t a)
+{
+	return align_down(x + a - 1, a);
+}
+
+#endif /* PHX_INTERNAL_H */

@@ -1,0 +1,485 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * io.c - a request's life: validation, cutting into chunks, issuing them,
+ * completing them (continuing short ones), and finishing the request.
+ *
+ * Every function here runs with eng->lock held.
+ */
+#include <errno.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define OFF_MAX ((uint64_t)INT64_MAX)
+
+int io_validate(struct phx_io *io)
+{
+	phx_file *f;
+
+	if (!io)
+		return phx_err(-EINVAL, "NULL request");
+	f = io->file;
+	if (!f)
+		return phx_err(-EBADF, "request without a file");
+	if (io->op != PHX_OP_READ && io->op != PHX_OP_WRITE)
+		return phx_err(-EINVAL, "unknown op %u", io->op);
+	if (io->flags & ~(uint32_t)PHX_IO_NO_POLL)
+		return phx_err(-EINVAL, "unknown request flags 0x%x", io->flags);
+	if (!io->buf && io->len)
+		return phx_err(-EFAULT, "NULL buffer");
+	if (io->offset > OFF_MAX || io->len > OFF_MAX - io->offset)
+		return phx_err(-EINVAL, "offset %llu + length %zu overflows",
+			       (unsigned long long)io->offset, io->len);
+	if (io->op == PHX_OP_READ && !f->readable)
+		return phx_err(-EBADF, "file is not open for reading");
+	if (io->op == PHX_OP_WRITE && !f->writable)
+		return phx_err(-EBADF, "file is not open for writing");
+	if (f->direct && align_down(f->eng->cfg.bounce_size, f->offset_align) == 0)
+		return phx_err(-EINVAL, "file alignment %u exceeds the bounce size %u",
+			       f->offset_align, f->eng->cfg.bounce_size);
+	return 0;
+}
+
+static enum io_mode io_choose_mode(struct phx_io *io, struct io_priv *p)
+{
+	phx_file *f = io->file;
+	uint64_t a = f->offset_align, m = f->mem_align;
+	uintptr_t addr = (uintptr_t)io->buf;
+	uint64_t h, t;
+
+	if (!f->direct)
+		return MODE_BUFFERED;
+	if (io->offset % a == 0 && io->len % a == 0 && addr % m == 0)
+		return MODE_DIRECT;
+	/*
+	 * The aligned middle can go straight to the caller's memory when that
+	 * memory is aligned where the middle starts.
+	 */
+	h = align_up(io->offset, a);
+	t = align_down(p->end, a);
+	if (h < t && (addr + (h - io->offset)) % m == 0) {
+		p->mid0 = h;
+		p->mid1 = t;
+		return MODE_SPLIT;
+	}
+	return MODE_BOUNCE;
+}
+
+static void io_finish(phx_engine *eng, struct phx_io *io);
+
+void io_start(phx_engine *eng, struct phx_io *io, bool async)
+{
+	struct io_priv *p = io_priv(io);
+
+	memset(p, 0, sizeof(*p));
+	io->result = 0;
+	io->paths = 0;
+	__atomic_store_n(&io->done, 0, __ATOMIC_RELAXED);
+	p->cursor = io->offset;
+	p->end = io->offset + io->len;
+	p->eof = UINT64_MAX;
+	p->async = async;
+	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
+	p->mode = io_choose_mode(io, p);
+	io->file->refs++;
+	if (!io->len) {
+		io_finish(eng, io);
+		return;
+	}
+	p->queued = 1;
+	if (eng->pend_tail)
+		io_priv(eng->pend_tail)->next = io;
+	else
+		eng->pend_head = io;
+	eng->pend_tail = io;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Cutting chunks                                                           */
+/* ------------------------------------------------------------------------ */
+
+static bool ranges_overlap(uint64_t a0, uint64_t alen, uint64_t b0, uint64_t blen)
+{
+	return a0 < b0 + blen && b0 < a0 + alen;
+}
+
+/*
+ * A read-modify-write must not interleave with another write to the same
+ * blocks, or one of them would write back stale bytes.
+ */
+static bool write_conflicts(phx_engine *eng, struct chunk *n)
+{
+	bool n_rmw = n->kind == CH_RMW_READ;
+	uint32_t i;
+
+	if (!n_rmw && !eng->rmw_inflight)
+		return false;
+	for (i = 0; i < eng->cfg.queue_depth; i++) {
+		struct chunk *c = &eng->chunks[i];
+
+		if (!c->in_use || c->io->file != n->io->file)
+			continue;
+		if (!(c->rmw || (n_rmw && c->io->op == PHX_OP_WRITE)))
+			continue;
+		if (ranges_overlap(c->dev_off, c->dev_len, n->dev_off, n->dev_len))
+			return true;
+	}
+	return false;
+}
+
+/* Describe the next chunk of @io into @n; nothing is claimed yet. */
+static void io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
+{
+	struct io_priv *p = io_priv(io);
+	phx_file *f = io->file;
+	uint64_t cur = p->cursor, a = f->offset_align, seg_end, d0, d1, ue;
+
+	memset(n, 0, sizeof(*n));
+	n->io = io;
+	n->op = io->op;
+	n->bounce = -1;
+	n->buf_index = -1;
+	if (p->mode == MODE_DIRECT || p->mode == MODE_BUFFERED ||
+	    (p->mode == MODE_SPLIT && cur >= p->mid0 && cur < p->mid1)) {
+		uint64_t lim = p->mode == MODE_SPLIT ? p->mid1 : p->end;
+
+		n->kind = p->mode == MODE_BUFFERED ? CH_BUFFERED : CH_DIRECT;
+		n->dev_off = n->user_off = cur;
+		n->dev_len = n->user_len = lim - cur < eng->cfg.max_io_size ?
+			lim - cur : eng->cfg.max_io_size;
+		n->mem = (char *)io->buf + (cur - io->offset);
+		return;
+	}
+	seg_end = p->mode == MODE_SPLIT && cur < p->mid0 ? p->mid0 : p->end;
+	d0 = align_down(cur, a);
+	d1 = align_up(seg_end, a);
+	if (d1 - d0 > align_down(eng->cfg.bounce_size, a))
+		d1 = d0 + align_down(eng->cfg.bounce_size, a);
+	ue = seg_end < d1 ? seg_end : d1;
+	n->dev_off = d0;
+	n->dev_len = d1 - d0;
+	n->user_off = cur;
+	n->user_len = ue - cur;
+	if (io->op == PHX_OP_READ) {
+		n->kind = CH_BOUNCE_READ;
+	} else if (cur == d0 && ue == d1) {
+		n->kind = CH_BOUNCE_WRITE;
+	} else {
+		n->kind = CH_RMW_READ;
+		n->op = PHX_OP_READ;
+		n->rmw = true;
+	}
+}
+
+static int user_buf_index(phx_engine *eng, const char *mem, uint64_t len)
+{
+	uint32_t i;
+
+	for (i = 0; i < PHX_USER_BUF_SLOTS; i++) {
+		const struct user_buf *b = &eng->ubufs[i];
+
+		if (b->len && mem >= b->addr && mem + len <= b->addr + b->len)
+			return b->index;
+	}
+	return -1;
+}
+
+/* Put the chunk's (remaining) device op on the submission queue. */
+static void chunk_prep(phx_engine *eng, struct chunk *c)
+{
+	struct io_uring_sqe *sqe = io_uring_get_sqe(&eng->ring);
+	phx_file *f = c->io->file;
+	int fd = f->slot >= 0 ? f->slot : f->fd;
+	char *mem = c->mem + c->done;
+	unsigned len = (unsigned)(c->dev_len - c->done);
+	uint64_t off = c->dev_off + c->done;
+
+	/* Chunks never outnumber ring entries, so the SQ cannot be full. */
+	if (c->buf_index >= 0) {
+		if (c->op == PHX_OP_READ)
+			io_uring_prep_read_fixed(sqe, fd, mem, len, off, c->buf_index);
+		else
+			io_uring_prep_write_fixed(sqe, fd, mem, len, off, c->buf_index);
+		eng->st.fixed_buf_ios++;
+	} else if (c->op == PHX_OP_READ) {
+		io_uring_prep_read(sqe, fd, mem, len, off);
+	} else {
+		io_uring_prep_write(sqe, fd, mem, len, off);
+	}
+	if (f->slot >= 0)
+		sqe->flags |= IOSQE_FIXED_FILE;
+	io_uring_sqe_set_data(sqe, c);
+	eng->unsubmitted++;
+	eng->st.sqes++;
+}
+
+/* Claim resources for a described chunk; false if it must wait. */
+static bool chunk_claim(phx_engine *eng, struct chunk *n)
+{
+	struct chunk *c;
+
+	if (!eng->free_chunks)
+		return false;
+	if (n->kind >= CH_BOUNCE_READ && !eng->nbounce_free)
+		return false;
+	if (n->io->op == PHX_OP_WRITE && write_conflicts(eng, n))
+		return false;
+	c = eng->free_chunks;
+	eng->free_chunks = c->next_free;
+	*c = *n;
+	c->in_use = true;
+	if (c->kind >= CH_BOUNCE_READ) {
+		c->bounce = eng->bounce_free[--eng->nbounce_free];
+		c->mem = eng->bounce_mem + (size_t)c->bounce * eng->cfg.bounce_size;
+		if (eng->features & PHX_FEAT_FIXED_BUFS)
+			c->buf_index = c->bounce;
+		c->io->paths |= PHX_PATH_BOUNCE;
+	} else {
+		c->buf_index = c->kind == CH_DIRECT ?
+			user_buf_index(eng, c->mem, c->dev_len) : -1;
+		c->io->paths |= c->kind == CH_DIRECT ? PHX_PATH_DIRECT : PHX_PATH_BUFFERED;
+	}
+	if (c->kind == CH_BOUNCE_WRITE)
+		memcpy(c->mem, (char *)c->io->buf + (c->user_off - c->io->offset),
+		       c->user_len);
+	if (c->rmw)
+		eng->rmw_inflight++;
+	io_priv(c->io)->chunks++;
+	eng->inflight++;
+	chunk_prep(eng, c);
+	return true;
+}
+
+static void pend_pop(phx_engine *eng)
+{
+	struct phx_io *io = eng->pend_head;
+
+	eng->pend_head = io_priv(io)->next;
+	if (!eng->pend_head)
+		eng->pend_tail = NULL;
+	io_priv(io)->next = NULL;
+	io_priv(io)->queued = 0;
+}
+
+/*
+ * Issue chunks from the pending queue, in order, until the queue depth is
+ * reached or the head chunk must wait (no bounce buffer, write conflict).
+ */
+void io_fill(phx_engine *eng)
+{
+	struct chunk n;
+
+	while (eng->pend_head && eng->free_chunks) {
+		struct phx_io *io = eng->pend_head;
+		struct io_priv *p = io_priv(io);
+
+		/* Past an error or end of file nothing more is worth reading. */
+		if (p->err || p->eof <= p->cursor)
+			p->cursor = p->end;
+		if (p->cursor >= p->end) {
+			pend_pop(eng);
+			if (!p->chunks)
+				io_finish(eng, io);
+			continue;
+		}
+		io_cut(eng, io, &n);
+		if (!chunk_claim(eng, &n))
+			break;
+		p->cursor = n.user_off + n.user_len;
+	}
+}
+
+/* ------------------------------------------------------------------------ */
+/* Completion                                                               */
+/* ------------------------------------------------------------------------ */
+
+static void chunk_release(phx_engine *eng, struct chunk *c)
+{
+	if (c->bounce >= 0)
+		eng->bounce_free[eng->nbounce_free++] = c->bounce;
+	if (c->rmw)
+		eng->rmw_inflight--;
+	c->in_use = false;
+	c->next_free = eng->free_chunks;
+	eng->free_chunks = c;
+	eng->inflight--;
+}
+
+static void note_eof(struct io_priv *p, uint64_t at)
+{
+	if (at < p->eof)
+		p->eof = at;
+}
+
+/* The read half of a read-modify-write finished: merge and write back. */
+static void rmw_merge(phx_engine *eng, struct chunk *c)
+{
+	struct phx_io *io = c->io;
+	struct io_priv *p = io_priv(io);
+	uint64_t valid = c->done, uend = c->user_off + c->user_len;
+
+	if (valid < c->dev_len) {
+		/* The file ends inside the blocks: pad, and cut back later. */
+		memset(c->mem + valid, 0, c->dev_len - valid);
+		if (c->dev_off + valid > p->trunc_to)
+			p->trunc_to = c->dev_off + valid;
+		if (uend > p->trunc_to)
+			p->trunc_to = uend;
+		if (c->dev_off + c->dev_len > p->padded_end)
+			p->padded_end = c->dev_off + c->dev_len;
+	}
+	memcpy(c->mem + (c->user_off - c->dev_off),
+	       (char *)io->buf + (c->user_off - io->offset), c->user_len);
+	eng->st.rmw_ios++;
+	c->kind = CH_BOUNCE_WRITE;
+	c->op = PHX_OP_WRITE;
+	c->done = 0;
+	chunk_prep(eng, c);
+}
+
+/* Copy what a bounce read brought in to the caller; returns bytes copied. */
+static uint64_t bounce_copy_out(struct chunk *c)
+{
+	struct phx_io *io = c->io;
+	uint64_t valid_end = c->dev_off + c->done, uend = c->user_off + c->user_len;
+	uint64_t end = uend < valid_end ? uend : valid_end;
+
+	if (end <= c->user_off)
+		return 0;
+	memcpy((char *)io->buf + (c->user_off - io->offset),
+	       c->mem + (c->user_off - c->dev_off), end - c->user_off);
+	return end - c->user_off;
+}
+
+/* A chunk's device op is over (complete, at EOF, or failed). */
+static void chunk_done(phx_engine *eng, struct chunk *c)
+{
+	struct phx_io *io = c->io;
+	struct io_priv *p = io_priv(io);
+	uint64_t moved = 0;
+
+	if (!p->err) {
+		switch (c->kind) {
+		case CH_BOUNCE_READ:
+			moved = bounce_copy_out(c);
+			if (c->done < c->dev_len)
+				note_eof(p, c->dev_off + c->done);
+			eng->st.bounce_bytes += moved;
+			break;
+		case CH_BOUNCE_WRITE:
+			moved = c->user_len;
+			eng->st.bounce_bytes += moved;
+			break;
+		default:
+			moved = c->done;
+			if (c->op == PHX_OP_READ && c->done < c->dev_len)
+				note_eof(p, c->dev_off + c->done);
+			if (c->kind == CH_DIRECT)
+				eng->st.direct_bytes += moved;
+			else
+				eng->st.buffered_bytes += moved;
+			break;
+		}
+	}
+	(void)moved;
+	p->chunks--;
+	chunk_release(eng, c);
+	if (!p->chunks && !p->queued)
+		io_finish(eng, io);
+}
+
+void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
+{
+	struct io_priv *p = io_priv(c->io);
+	uint64_t a = c->io->file->offset_align;
+
+	if (res == -EAGAIN || res == -EINTR) {
+		chunk_prep(eng, c);
+		return;
+	}
+	if (res < 0) {
+		if (!p->err)
+			p->err = res;
+		chunk_done(eng, c);
+		return;
+	}
+	if (res == 0 && c->op == PHX_OP_WRITE) {
+		if (!p->err)
+			p->err = -EIO;
+		chunk_done(eng, c);
+		return;
+	}
+	c->done += (uint64_t)res;
+	/*
+	 * Continue a short transfer - unless it is a read that stopped at end
+	 * of file: nothing came back, or (O_DIRECT) it stopped off a block
+	 * boundary, which only happens at the end of the file.
+	 */
+	if (c->done < c->dev_len && res > 0 &&
+	    !(c->op == PHX_OP_READ && c->io->file->direct && c->done % a)) {
+		eng->st.short_ios++;
+		chunk_prep(eng, c);
+		return;
+	}
+	if (c->kind == CH_RMW_READ && !p->err) {
+		rmw_merge(eng, c);
+		return;
+	}
+	chunk_done(eng, c);
+}
+
+/* A padded partial-block write made the file too long: cut it back. */
+static int fix_size(struct phx_io *io)
+{
+	struct io_priv *p = io_priv(io);
+	struct stat st;
+
+	if (fstat(io->file->fd, &st))
+		return -errno;
+	/* Only if nobody has written further since. */
+	if ((uint64_t)st.st_size == p->padded_end &&
+	    ftruncate(io->file->fd, (off_t)p->trunc_to))
+		return -errno;
+	return 0;
+}
+
+static void io_finish(phx_engine *eng, struct phx_io *io)
+{
+	struct io_priv *p = io_priv(io);
+	int64_t result;
+
+	if (!p->err && io->op == PHX_OP_WRITE && p->padded_end)
+		p->err = fix_size(io);
+	if (p->err) {
+		result = p->err;
+		eng->st.errors++;
+	} else if (io->op == PHX_OP_READ) {
+		uint64_t end = p->eof < p->end ? p->eof : p->end;
+
+		result = end > io->offset ? (int64_t)(end - io->offset) : 0;
+		eng->st.reads++;
+		eng->st.bytes_read += result;
+	} else {
+		result = (int64_t)io->len;
+		eng->st.writes++;
+		eng->st.bytes_written += result;
+	}
+	if (io->paths & PHX_PATH_BOUNCE)
+		eng->st.bounce_ios++;
+	io->file->refs--;
+	io->result = result;
+	if (p->pollable) {
+		p->next = NULL;
+		if (eng->poll_tail)
+			io_priv(eng->poll_tail)->next = io;
+		else
+			eng->poll_head = io;
+		eng->poll_tail = io;
+	}
+	if (p->async)
+		engine_notify(eng);
+	/* Last: a waiter may free the request as soon as it sees this. */
+	__atomic_store_n(&io->done, 1, __ATOMIC_RELEASE);
+}

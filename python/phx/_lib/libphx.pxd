@@ -1,0 +1,105 @@
+# cython: language_level=3
+# Declarations of libphx/include/phx.h; nothing else belongs here.
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from posix.types cimport mode_t
+
+
+cdef extern from "phx.h" nogil:
+    ctypedef struct phx_engine:
+        pass
+    ctypedef struct phx_file:
+        pass
+
+    enum:
+        PHX_ENGINE_NO_FIXED_FILES
+        PHX_ENGINE_NO_FIXED_BUFS
+        PHX_FEAT_FIXED_FILES
+        PHX_FEAT_FIXED_BUFS
+        PHX_FEAT_USER_BUFS
+        PHX_FILE_BUFFERED
+        PHX_FILE_ALLOW_BUFFERED
+        PHX_IO_NO_POLL
+        PHX_PATH_DIRECT
+        PHX_PATH_BOUNCE
+        PHX_PATH_BUFFERED
+
+    cdef enum phx_op:
+        PHX_OP_READ
+        PHX_OP_WRITE
+
+    struct phx_engine_config:
+        uint32_t size
+        uint32_t queue_depth
+        uint32_t max_io_size
+        uint32_t bounce_size
+        uint32_t bounce_count
+        uint32_t flags
+        uint32_t max_files
+
+    struct phx_file_info:
+        uint32_t size
+        int fd
+        int direct
+        int registered
+        uint32_t mem_align
+        uint32_t offset_align
+        int align_from_statx
+        int open_flags
+
+    struct phx_io:
+        phx_file *file
+        void *buf
+        size_t len
+        uint64_t offset
+        uint32_t op
+        uint32_t flags
+        void *user_data
+        int64_t result
+        uint32_t paths
+        uint32_t done
+
+    struct phx_stats:
+        uint64_t reads
+        uint64_t writes
+        uint64_t bytes_read
+        uint64_t bytes_written
+        uint64_t direct_bytes
+        uint64_t bounce_bytes
+        uint64_t buffered_bytes
+        uint64_t bounce_ios
+        uint64_t rmw_ios
+        uint64_t short_ios
+        uint64_t fixed_buf_ios
+        uint64_t sqes
+        uint64_t submits
+        uint64_t errors
+
+    void phx_engine_config_init(phx_engine_config *cfg)
+    int phx_engine_create(const phx_engine_config *cfg, phx_engine **out)
+    int phx_engine_destroy(phx_engine *eng)
+    void phx_engine_config_get(const phx_engine *eng, phx_engine_config *cfg)
+    uint32_t phx_engine_features(const phx_engine *eng)
+    int phx_engine_eventfd(phx_engine *eng)
+    void phx_engine_stats(phx_engine *eng, phx_stats *st)
+    void phx_engine_stats_reset(phx_engine *eng)
+
+    int phx_file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
+                      uint32_t phx_flags, phx_file **out)
+    int phx_file_from_fd(phx_engine *eng, int fd, phx_file **out)
+    int phx_file_close(phx_file *f)
+    int phx_file_get_info(const phx_file *f, phx_file_info *info)
+
+    int phx_buf_register(phx_engine *eng, void *addr, size_t len)
+    int phx_buf_deregister(phx_engine *eng, void *addr)
+
+    void phx_io_prep(phx_io *io, phx_file *f, phx_op op, void *buf, size_t len,
+                     uint64_t offset)
+    int64_t phx_pread(phx_file *f, void *buf, size_t len, uint64_t offset)
+    int64_t phx_pwrite(phx_file *f, const void *buf, size_t len, uint64_t offset)
+    int phx_submit_wait(phx_engine *eng, phx_io *ios, size_t n)
+    int phx_submit(phx_engine *eng, phx_io **ios, size_t n)
+    int phx_wait(phx_engine *eng, phx_io *io, int64_t timeout_ns)
+    int phx_poll(phx_engine *eng, phx_io **done, size_t max)
+
+    const char *phx_strerror_last()
+    const char *phx_version()

@@ -1,0 +1,163 @@
+"""``phx info``: what this machine offers phx, and why a path is unavailable.
+
+Every entry carries ``available`` and a ``reason`` a person can act on.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import tempfile
+from typing import Any
+
+import phx
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _io_uring() -> dict[str, Any]:
+    try:
+        eng = phx.Engine(queue_depth=4)
+    except OSError as e:
+        disabled = _read("/proc/sys/kernel/io_uring_disabled")
+        why = str(e)
+        if disabled and disabled != "0":
+            why += f" (sysctl kernel.io_uring_disabled = {disabled})"
+        return {"available": False, "reason": why}
+    feats = eng.features
+    eng.close()
+    return {"available": True, "reason": "io_uring_setup succeeded", **feats}
+
+
+def _fs_type(path: str) -> str:
+    best, fstype = "", "?"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def _direct(path: str) -> dict[str, Any]:
+    """Open a file at (or in) ``path`` with O_DIRECT and report its alignment."""
+    out: dict[str, Any] = {"path": os.path.abspath(path), "filesystem": _fs_type(path)}
+    tmp = None
+    try:
+        if os.path.isdir(path):
+            fd, tmp = tempfile.mkstemp(prefix=".phx-info-", dir=path)
+            os.close(fd)
+            target = tmp
+        else:
+            target = path
+        with phx.open(target, "r") as f:
+            out.update(available=True, mem_align=f.mem_align, offset_align=f.offset_align,
+                       alignment_source="statx(STATX_DIOALIGN)" if f.align_from_statx
+                       else "default 4096 (kernel did not report STATX_DIOALIGN)",
+                       reason="O_DIRECT open succeeded")
+    except OSError as e:
+        out.update(available=False, reason=f"O_DIRECT open failed: {e.strerror}"
+                   + (" (filesystem does not support O_DIRECT; phx would need direct=False)"
+                      if e.errno == 22 else ""))
+    finally:
+        if tmp:
+            os.unlink(tmp)
+    return out
+
+
+def _cuda() -> dict[str, Any]:
+    try:
+        from phx import gpu
+    except ImportError:
+        gpu = None
+    if gpu is not None and hasattr(gpu, "is_available"):
+        ok, why = gpu.is_available()
+        return {"available": bool(ok), "reason": why}
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return {"available": False, "reason": f"no CUDA driver: {e}"}
+    return {"available": False, "reason": "libcuda.so.1 loads, but this build has no GPU path"}
+
+
+def _module() -> dict[str, Any]:
+    if os.path.exists("/dev/phx"):
+        return {"loaded": True, "reason": "/dev/phx present: GPU buffers can take the direct path"}
+    why = "phx.ko not loaded (make insmod)"
+    if _read("/proc/sys/kernel/modules_disabled") == "1":
+        why = "phx.ko not loaded: kernel.modules_disabled = 1 (no module can be loaded)"
+    elif "nomodule" in (_read("/proc/cmdline") or "").split():
+        why = "phx.ko not loaded: kernel booted with 'nomodule'"
+    return {"loaded": False, "reason": why + "; GPU data goes through pinned bounce buffers"}
+
+
+def _cgroup() -> dict[str, Any]:
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        rel = (_read("/proc/self/cgroup") or "0::/").splitlines()[0].split("::", 1)[-1]
+        base = "/sys/fs/cgroup" + rel
+        return {"version": 2, "memory.max": _read(base + "/memory.max"),
+                "memory.current": _read(base + "/memory.current")}
+    if os.path.isdir("/sys/fs/cgroup/memory"):
+        return {"version": 1,
+                "memory.limit_in_bytes": _read("/sys/fs/cgroup/memory/memory.limit_in_bytes")}
+    return {"version": None}
+
+
+def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
+    """Everything ``phx info`` reports, as a dict."""
+    ml = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    info = {
+        "phx": phx.__version__,
+        "kernel": platform.release(),
+        "io_uring": _io_uring(),
+        "o_direct": _direct(os.fspath(path)),
+        "cuda": _cuda(),
+        "kernel_module": _module(),
+        "memlock_limit": "unlimited" if ml[0] == resource.RLIM_INFINITY else ml[0],
+        "cgroup": _cgroup(),
+    }
+    if not info["io_uring"]["available"]:
+        info["host_path"] = "none: phx needs io_uring"
+    elif info["o_direct"]["available"]:
+        info["host_path"] = "io_uring + O_DIRECT (page cache bypassed)"
+    else:
+        info["host_path"] = "io_uring, buffered (this filesystem refuses O_DIRECT)"
+    if info["kernel_module"]["loaded"]:
+        info["gpu_path"] = "direct via /dev/phx"
+    elif info["cuda"]["available"]:
+        info["gpu_path"] = "pinned bounce buffers (Co-DMA pipeline)"
+    else:
+        info["gpu_path"] = "none: " + info["cuda"]["reason"]
+    return info
+
+
+def _print(d: dict[str, Any], indent: int = 0) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            print(" " * indent + f"{k}:")
+            _print(v, indent + 2)
+        else:
+            print(" " * indent + f"{k}: {v}")
+
+
+def main(args) -> int:
+    """The ``phx info`` command."""
+    d = gather(args.path)
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print(d)
+    return 0
