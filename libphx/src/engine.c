@@ -207,7 +207,18 @@ PHX_EXPORT int phx_engine_create(const struct phx_engine_config *cfg,
 	/* Completions can outnumber submissions only transiently: 2x is ample. */
 	p.flags = IORING_SETUP_CQSIZE;
 	p.cq_entries = 2 * eng->cfg.queue_depth;
+	/*
+	 * Completions are run when we enter the kernel anyway, so they need
+	 * not interrupt the task (5.19+); older kernels refuse the flag.
+	 */
+	p.flags |= IORING_SETUP_COOP_TASKRUN;
 	ret = io_uring_queue_init_params(eng->cfg.queue_depth, &eng->ring, &p);
+	if (ret == -EINVAL) {
+		memset(&p, 0, sizeof(p));
+		p.flags = IORING_SETUP_CQSIZE;
+		p.cq_entries = 2 * eng->cfg.queue_depth;
+		ret = io_uring_queue_init_params(eng->cfg.queue_depth, &eng->ring, &p);
+	}
 	if (ret < 0) {
 		phx_err(ret, "io_uring_queue_init(%u) failed%s", eng->cfg.queue_depth,
 			ret == -EPERM ? " (io_uring disabled by sysctl kernel.io_uring_disabled?)" :
@@ -388,24 +399,50 @@ out:
 /* Progress                                                                 */
 /* ------------------------------------------------------------------------ */
 
-void engine_submit_locked(phx_engine *eng)
+/*
+ * Make prepared SQEs visible to the kernel without entering it (lock held).
+ * Entering is then one syscall: a plain submit, or submit-and-wait by the
+ * reaper with the lock dropped.  Several threads may enter at once; each
+ * submits what it finds, so counts are only ever a hint.
+ */
+static unsigned sq_publish(phx_engine *eng)
+{
+	struct io_uring_sq *sq = &eng->ring.sq;
+
+	if (sq->sqe_head != sq->sqe_tail) {
+		sq->sqe_head = sq->sqe_tail;
+		__atomic_store_n(sq->ktail, sq->sqe_tail, __ATOMIC_RELEASE);
+	}
+	eng->unsubmitted = 0;
+	return io_uring_sq_ready(&eng->ring);
+}
+
+static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 {
 	int ret;
 
+	do {
+		ret = io_uring_enter(eng->ring.ring_fd, to_submit, wait_nr,
+				     wait_nr ? IORING_ENTER_GETEVENTS : 0, NULL);
+	} while (ret == -EINTR || ret == -EAGAIN);
+	return ret;
+}
+
+void engine_submit_locked(phx_engine *eng)
+{
+	unsigned n;
+
 	if (!eng->unsubmitted)
 		return;
-	do {
-		ret = io_uring_submit(&eng->ring);
-	} while (ret == -EINTR || ret == -EAGAIN);
+	n = sq_publish(eng);
+	if (!n)
+		return;
 	eng->st.submits++;
-	if (ret >= (int)eng->unsubmitted)
-		eng->unsubmitted = 0;
-	else if (ret > 0)
-		eng->unsubmitted -= (uint32_t)ret;
 	/*
 	 * -EBUSY (CQ overflow) resolves itself once the reaper runs; the
-	 * SQEs stay in the ring and the next call submits them.
+	 * SQEs stay in the ring and the next entry submits them.
 	 */
+	ring_enter(eng, n, 0);
 }
 
 /* Handle every completion already posted (lock held, reaping role held). */
@@ -456,9 +493,13 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 	pthread_mutex_lock(&eng->lock);
 	for (;;) {
 		io_fill(eng);
-		engine_submit_locked(eng);
-		if (io && io_is_done(io))
+		if (io && io_is_done(io)) {
+			engine_submit_locked(eng);
 			break;
+		}
+		/* A future reaper submits as it waits; everyone else now. */
+		if (eng->reaping || !block || deadline >= 0 || !eng->inflight)
+			engine_submit_locked(eng);
 		if (eng->reaping) {
 			if (!block)
 				break;
@@ -491,9 +532,14 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		}
 		eng->reaping = true;
 		if (block) {
+			unsigned n = eng->unsubmitted ? sq_publish(eng) : 0;
+
+			if (n)
+				eng->st.submits++;
 			pthread_mutex_unlock(&eng->lock);
 			if (deadline < 0) {
-				ret = io_uring_wait_cqe(&eng->ring, &cqe);
+				ret = ring_enter(eng, n, io_uring_cq_ready(&eng->ring) ? 0 : 1);
+				ret = ret < 0 ? ret : 0;
 			} else {
 				int64_t left = deadline - now_ns();
 				struct __kernel_timespec kts = {
