@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-def progress(total: int, desc: str, enabled: bool = True):
+def progress(total: int, desc: str, enabled: bool = True, unit: str = "row"):
     """A progress bar on stderr (tqdm), or a no-op object when disabled."""
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="row", file=sys.stderr,
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr,
                 disable=not enabled, dynamic_ncols=True, leave=True)
 
 
@@ -93,3 +93,66 @@ def run_quiet(cmd: Sequence[str], **kw) -> subprocess.CompletedProcess:
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
     return p
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``4k``, ``1M``, ``1.5GiB`` (binary units)."""
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num = s.rstrip("kmgt")
+    unit = s[len(num):]
+    if unit not in _SIZE_UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 4k, 1m, 1g)")
+    n = float(num) * _SIZE_UNITS[unit]
+    if n != int(n) or n < 0:
+        raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
+    return int(n)
+
+
+def fmt_size(n: int) -> str:
+    """The shortest exact binary-unit spelling: 4096 -> '4k', 1048576 -> '1m'."""
+    for unit in ("t", "g", "m", "k"):
+        if n and n % _SIZE_UNITS[unit] == 0:
+            return f"{n // _SIZE_UNITS[unit]}{unit}"
+    return str(n)
+
+
+def storage_description(path: str) -> dict[str, Any]:
+    """Where a file lives: mount point, filesystem type and backing device."""
+    real = os.path.realpath(path)
+    best = ("", "unknown", "unknown")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                dev, mnt, fstype = parts[0], parts[1].replace("\\040", " "), parts[2]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, dev)
+    except OSError:
+        pass
+    out: dict[str, Any] = {"path": real, "mount": best[0], "fstype": best[1], "device": best[2]}
+    name = os.path.basename(os.path.realpath(best[2])) if best[2].startswith("/dev/") else ""
+    if name:
+        for key, rel in (("rotational", "queue/rotational"), ("model", "device/model")):
+            try:
+                with open(f"/sys/class/block/{name}/{rel}") as f:
+                    out[key] = f.read().strip()
+            except OSError:
+                pass
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ('' when unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,89 @@
+"""fio as a baseline engine: build the job, run it, read its JSON.
+
+One fio process per measurement, ``--ioengine=io_uring --direct=1``, one job
+of ``--iodepth=QD`` on the benchmark's own file, time-based.  Random offsets
+are uniform, block-aligned and drawn with replacement afresh each run
+(``--randrepeat=0 --norandommap``), which is what the other engines do too.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+#: fio's names for the four operations ``phx bench io`` measures.
+OPS = ("read", "write", "randread", "randwrite")
+
+
+@dataclass
+class FioResult:
+    """What one fio run moved, and how busy it kept the CPU."""
+    nbytes: int
+    ios: int
+    seconds: float
+    cpu_pct: float  # user + system, percent of one CPU
+
+
+def fio_path() -> str | None:
+    """The fio executable, or None when it is not installed."""
+    return shutil.which("fio")
+
+
+def fio_version(fio: str) -> str:
+    """``fio --version`` (e.g. ``fio-3.33``)."""
+    return subprocess.run([fio, "--version"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _escape(path: str) -> str:
+    # fio splits --filename on ':'; a backslash keeps a literal colon.
+    return path.replace(":", "\\:")
+
+
+def fio_command(fio: str, path: str, size: int, op: str, bs: int, qd: int,
+                runtime_s: float, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The fio command line for one measurement (``extra`` goes last)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    ms = max(1, round(runtime_s * 1000))
+    return [
+        fio, "--name=phx-bench-io", f"--filename={_escape(path)}",
+        "--ioengine=io_uring", "--direct=1", f"--rw={op}", f"--bs={bs}",
+        f"--iodepth={qd}", f"--size={size}", "--numjobs=1",
+        "--time_based", f"--runtime={ms}ms",
+        "--randrepeat=0", "--norandommap",
+        "--invalidate=0",  # O_DIRECT throughout; nothing to invalidate
+        "--output-format=json", *extra,
+    ]
+
+
+def parse_fio_json(text: str, op: str) -> FioResult:
+    """Totals of the one job in fio's ``--output-format=json`` output."""
+    start = text.find("{")  # fio may print notes before the document
+    if start < 0:
+        raise RuntimeError(f"fio printed no JSON: {text[:400]!r}")
+    doc: dict[str, Any] = json.loads(text[start:])
+    jobs = doc.get("jobs") or []
+    if len(jobs) != 1:
+        raise RuntimeError(f"fio reported {len(jobs)} jobs, expected 1")
+    job = jobs[0]
+    if job.get("error"):
+        raise RuntimeError(f"fio job failed: error {job['error']}")
+    side = job["write" if "write" in op else "read"]
+    ms = side.get("runtime") or 0
+    if ms <= 0 or side.get("io_bytes", 0) <= 0:
+        raise RuntimeError(f"fio moved no data ({op}): {side}")
+    return FioResult(nbytes=int(side["io_bytes"]), ios=int(side["total_ios"]),
+                     seconds=ms / 1000.0,
+                     cpu_pct=float(job.get("usr_cpu", 0.0)) + float(job.get("sys_cpu", 0.0)))
+
+
+def run_fio(cmd: list[str], op: str, timeout_s: float) -> FioResult:
+    """Run one fio command and parse what it measured."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode != 0:
+        raise RuntimeError(f"fio failed ({p.returncode}): {p.stderr.strip() or p.stdout[-400:]}"
+                           f"\ncommand: {' '.join(cmd)}")
+    return parse_fio_json(p.stdout, op)
