@@ -56,6 +56,9 @@ struct phx_file {
 	bool align_from_statx;
 	int open_flags;
 	uint32_t refs;		/* requests queued or in flight */
+	uint32_t writes;	/* write requests queued or in flight */
+	uint64_t pad_end;	/* padded writes since the file last settled: */
+	uint64_t pad_target;	/* the size they left, the size it should be */
 	struct phx_file *next;	/* engine's list of open files */
 };
 
@@ -66,8 +69,6 @@ struct io_priv {
 	uint64_t end;		/* offset + len */
 	uint64_t mid0, mid1;	/* MODE_SPLIT: the direct middle [mid0, mid1) */
 	uint64_t eof;		/* lowest end of file seen, or UINT64_MAX */
-	uint64_t trunc_to;	/* size a padded write must be cut back to */
-	uint64_t padded_end;	/* size a padded write left the file at */
 	int64_t err;		/* first error, or 0 */
 	uint32_t chunks;	/* chunks in flight */
 	uint8_t mode;		/* enum io_mode */

@@ -84,6 +84,8 @@ void io_start(phx_engine *eng, struct phx_io *io, bool async)
 	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
 	p->mode = io_choose_mode(io, p);
 	io->file->refs++;
+	if (io->op == PHX_OP_WRITE)
+		io->file->writes++;
 	if (!io->len) {
 		io_finish(eng, io);
 		return;
@@ -317,18 +319,21 @@ static void note_eof(struct io_priv *p, uint64_t at)
 static void rmw_merge(phx_engine *eng, struct chunk *c)
 {
 	struct phx_io *io = c->io;
-	struct io_priv *p = io_priv(io);
+	phx_file *f = io->file;
 	uint64_t valid = c->done, uend = c->user_off + c->user_len;
 
 	if (valid < c->dev_len) {
-		/* The file ends inside the blocks: pad, and cut back later. */
+		/*
+		 * The file ends inside these blocks: write them padded, and cut
+		 * the file back once its writes have settled (file_settle()).
+		 */
 		memset(c->mem + valid, 0, c->dev_len - valid);
-		if (c->dev_off + valid > p->trunc_to)
-			p->trunc_to = c->dev_off + valid;
-		if (uend > p->trunc_to)
-			p->trunc_to = uend;
-		if (c->dev_off + c->dev_len > p->padded_end)
-			p->padded_end = c->dev_off + c->dev_len;
+		if (c->dev_off + valid > f->pad_target)
+			f->pad_target = c->dev_off + valid;
+		if (uend > f->pad_target)
+			f->pad_target = uend;
+		if (c->dev_off + c->dev_len > f->pad_end)
+			f->pad_end = c->dev_off + c->dev_len;
 	}
 	memcpy(c->mem + (c->user_off - c->dev_off),
 	       (char *)io->buf + (c->user_off - io->offset), c->user_len);
@@ -430,19 +435,23 @@ void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
 	chunk_done(eng, c);
 }
 
-/* A padded partial-block write made the file too long: cut it back. */
-static int fix_size(struct phx_io *io)
+/*
+ * Padded partial-block writes left the file longer than written: once no
+ * write on it is in flight, cut it back - unless something wrote further.
+ */
+static int file_settle(phx_file *f)
 {
-	struct io_priv *p = io_priv(io);
 	struct stat st;
+	int ret = 0;
 
-	if (fstat(io->file->fd, &st))
-		return -errno;
-	/* Only if nobody has written further since. */
-	if ((uint64_t)st.st_size == p->padded_end &&
-	    ftruncate(io->file->fd, (off_t)p->trunc_to))
-		return -errno;
-	return 0;
+	if (fstat(f->fd, &st))
+		ret = -errno;
+	else if ((uint64_t)st.st_size == f->pad_end &&
+		 ftruncate(f->fd, (off_t)f->pad_target))
+		ret = -errno;
+	f->pad_end = 0;
+	f->pad_target = 0;
+	return ret;
 }
 
 static void io_finish(phx_engine *eng, struct phx_io *io)
@@ -450,8 +459,12 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 	struct io_priv *p = io_priv(io);
 	int64_t result;
 
-	if (!p->err && io->op == PHX_OP_WRITE && p->padded_end)
-		p->err = fix_size(io);
+	if (io->op == PHX_OP_WRITE && !--io->file->writes && io->file->pad_end) {
+		int ret = file_settle(io->file);
+
+		if (ret && !p->err)
+			p->err = ret;
+	}
 	if (p->err) {
 		result = p->err;
 		eng->st.errors++;

@@ -62,5 +62,5 @@ def stats() -> dict[str, int]:
 
 def info(path: str | os.PathLike = ".") -> dict[str, Any]:
     """What this machine offers phx, and why a path is unavailable (see ``phx info``)."""
-    from phx.info import gather
+    from phx.probe import gather
     return gather(path)

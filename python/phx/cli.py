@@ -32,7 +32,11 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, (modname, help_text) in BENCHMARKS.items():
         bp = bsub.add_parser(name, help=help_text, description=help_text)
         bp.set_defaults(_bench_module=modname)
-        importlib.import_module(modname).add_arguments(bp)
+        try:
+            importlib.import_module(modname).add_arguments(bp)
+        except ImportError as e:
+            # One broken benchmark must not take the other commands down.
+            bp.set_defaults(_bench_error=f"{modname} cannot be imported: {e}")
     return parser
 
 
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``phx`` console script and ``python -m phx``."""
     args = _build_parser().parse_args(argv)
     if args.command == "info":
-        from phx.info import main as info_main
+        from phx.probe import main as info_main
         return info_main(args)
     if args.command == "stats":
         import json
@@ -48,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(phx.stats(), indent=2))
         return 0
     if args.command == "bench":
+        if getattr(args, "_bench_error", None):
+            print(f"phx bench {args.bench}: {args._bench_error}", file=sys.stderr)
+            return 2
         return int(importlib.import_module(args._bench_module).run(args) or 0)
     return 2
 

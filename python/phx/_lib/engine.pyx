@@ -106,10 +106,10 @@ cdef _Buf _get_buf(object obj, bint writable, object path):
     if PyObject_CheckBuffer(obj):
         PyObject_GetBuffer(obj, &b.view, PyBUF_RECORDS_RO)
         b.has_view = True
-        if not PyBuffer_IsContiguous(&b.view, b'A'):
+        if not PyBuffer_IsContiguous(&b.view, b'C'):
             b.release()
             raise BufferNotContiguousError(
-                EINVAL, "buffer is not contiguous (copy it, e.g. numpy.ascontiguousarray)", path)
+                EINVAL, "buffer is not C-contiguous (copy it, e.g. numpy.ascontiguousarray)", path)
         if writable and b.view.readonly:
             b.release()
             raise BufferReadOnlyError(
@@ -202,6 +202,10 @@ cdef class Engine:
         cdef phx_engine_config cfg
         cdef int rc
         phx_engine_config_init(&cfg)
+        for name, v in (("queue_depth", queue_depth), ("max_io_size", max_io_size),
+                        ("bounce_size", bounce_size), ("bounce_count", bounce_count)):
+            if v is not None and not (0 < v < 2**32):
+                raise ValueError(f"{name} must be a positive integer, not {v!r}")
         if queue_depth is not None:
             cfg.queue_depth = queue_depth
         if max_io_size is not None:
@@ -478,6 +482,8 @@ cdef class File:
         cdef int rc, flags
         cdef uint32_t pflags = 0
         cdef bytes bpath
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str, not {type(mode).__name__}")
         m = mode.replace("b", "")
         if m not in _MODES:
             raise ValueError(f"mode {mode!r} not supported: use one of "

@@ -1,0 +1,81 @@
+# cython: language_level=3
+# Declarations of libphx/include/phx_cuda.h; nothing else belongs here.
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+
+cdef extern from "phx.h" nogil:
+    ctypedef struct phx_engine:
+        pass
+    ctypedef struct phx_file:
+        pass
+
+
+cdef extern from "phx_cuda.h" nogil:
+    ctypedef struct phx_cuda:
+        pass
+
+    enum:
+        PHX_CUDA_HOSTFN_GATE
+        PHX_CUDA_NO_FIXED_BUFS
+
+    struct phx_cuda_config:
+        uint32_t size
+        int32_t device
+        uint32_t lanes
+        uint32_t bufs_per_lane
+        uint32_t buf_size
+        uint32_t max_io_size
+        uint32_t flags
+
+    struct phx_cuda_io:
+        phx_file *file
+        uint64_t devptr
+        size_t len
+        uint64_t offset
+        uint32_t op
+        uint32_t flags
+        void *user_data
+        int64_t result
+        uint32_t paths
+        uint32_t done
+        uint64_t direct_bytes
+        uint64_t bounce_bytes
+        uint64_t buffered_bytes
+
+    struct phx_cuda_stats_s "phx_cuda_stats":
+        uint64_t reads
+        uint64_t writes
+        uint64_t bytes_read
+        uint64_t bytes_written
+        uint64_t direct_bytes
+        uint64_t bounce_bytes
+        uint64_t buffered_bytes
+        uint64_t h2d_bytes
+        uint64_t d2h_bytes
+        uint64_t chunks
+        uint64_t stream_ops
+        uint64_t errors
+        uint64_t fixed_buf_ios
+        uint64_t sqes
+        uint64_t staging_bytes
+
+    int phx_cuda_available(char *why, size_t len)
+    const char *phx_cuda_strerror_last()
+    int phx_cuda_ptr_device(uint64_t ptr)
+    void phx_cuda_config_init(phx_cuda_config *cfg)
+    int phx_cuda_create(phx_engine *eng, const phx_cuda_config *cfg, phx_cuda **out)
+    int phx_cuda_destroy(phx_cuda *cu)
+    void phx_cuda_config_get(const phx_cuda *cu, phx_cuda_config *cfg)
+    int phx_cuda_uses_memops(const phx_cuda *cu)
+    void phx_cuda_io_prep(phx_cuda_io *io, phx_file *f, int op, uint64_t devptr,
+                          size_t len, uint64_t offset)
+    int64_t phx_cuda_pread(phx_cuda *cu, phx_file *f, uint64_t devptr, size_t len,
+                           uint64_t offset)
+    int64_t phx_cuda_pwrite(phx_cuda *cu, phx_file *f, uint64_t devptr, size_t len,
+                            uint64_t offset)
+    int phx_cuda_submit(phx_cuda *cu, phx_cuda_io **ios, size_t n)
+    int phx_cuda_submit_after(phx_cuda *cu, phx_cuda_io **ios, size_t n, void *stream)
+    int phx_cuda_wait(phx_cuda *cu, phx_cuda_io *io, int64_t timeout_ns)
+    int phx_cuda_submit_stream(phx_cuda *cu, phx_cuda_io *io, void *stream)
+    void phx_cuda_stats(phx_cuda *cu, phx_cuda_stats_s *st)
+    void phx_cuda_stats_reset(phx_cuda *cu)

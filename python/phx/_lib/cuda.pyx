@@ -1,0 +1,322 @@
+# cython: language_level=3
+"""Thin wrapper of libphx/include/phx_cuda.h (GPU memory through pinned staging).
+
+Everything here takes raw addresses (``phx_file *``, ``phx_engine *``,
+CUdeviceptr, CUstream) as ints; :mod:`phx.gpu` holds the Pythonic layer.
+"""
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
+from libc.errno cimport EINVAL
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+
+import errno as _errno
+import os as _os
+
+# PHX_OP_READ / PHX_OP_WRITE (phx.h)
+cdef enum:
+    OP_READ = 0
+    OP_WRITE = 1
+
+
+cdef object _err(int rc, object path=None, str what=None):
+    """``-errno`` -> OSError (its subclass by errno) with libphx's text."""
+    cdef int e = -rc
+    text = phx_cuda_strerror_last().decode("utf-8", "replace")
+    msg = _os.strerror(e)
+    if what:
+        msg = f"{what}: {msg}"
+    if text and text != "no error":
+        msg = f"{msg} ({text})"
+    if path is not None:
+        return OSError(e, msg, path)
+    return OSError(e, msg)
+
+
+def available():
+    """(True, description) when CUDA can be used, else (False, reason)."""
+    cdef char why[256]
+    cdef int ok
+    with nogil:
+        ok = phx_cuda_available(why, sizeof(why))
+    return bool(ok), why.decode("utf-8", "replace")
+
+
+def pointer_device(uint64_t ptr) -> int:
+    """CUDA device ordinal owning ``ptr``; OSError(EINVAL) for non-device memory."""
+    cdef int rc
+    with nogil:
+        rc = phx_cuda_ptr_device(ptr)
+    if rc < 0:
+        raise _err(rc)
+    return rc
+
+
+def default_config() -> dict:
+    """The configuration a new context gets (defaults + PHX_CUDA_* variables)."""
+    cdef phx_cuda_config cfg
+    phx_cuda_config_init(&cfg)
+    return _cfg_dict(&cfg)
+
+
+cdef dict _cfg_dict(phx_cuda_config *cfg):
+    return {
+        "device": cfg.device,
+        "lanes": cfg.lanes,
+        "bufs_per_lane": cfg.bufs_per_lane,
+        "buf_size": cfg.buf_size,
+        "max_io_size": cfg.max_io_size,
+        "hostfn_gate": bool(cfg.flags & PHX_CUDA_HOSTFN_GATE),
+        "fixed_bufs": not (cfg.flags & PHX_CUDA_NO_FIXED_BUFS),
+    }
+
+
+# DLPack (dlpack.h v0.8, the unversioned capsule "dltensor")
+cdef struct DLDevice:
+    int device_type
+    int32_t device_id
+
+cdef struct DLDataType:
+    unsigned char code
+    unsigned char bits
+    unsigned short lanes
+
+cdef struct DLTensor:
+    void *data
+    DLDevice device
+    int32_t ndim
+    DLDataType dtype
+    int64_t *shape
+    int64_t *strides
+    uint64_t byte_offset
+
+cdef struct DLManagedTensor:
+    DLTensor dl_tensor
+    void *manager_ctx
+    void *deleter
+
+
+def dlpack_view(capsule):
+    """(address, nbytes, device_type, device_id, contiguous) of an unconsumed
+    DLPack capsule.  The capsule must stay alive while the memory is used."""
+    cdef DLManagedTensor *m
+    cdef DLTensor *t
+    cdef int64_t n = 1, expect, i
+    cdef bint contig = True
+    if not PyCapsule_IsValid(capsule, b"dltensor"):
+        raise TypeError("not an unconsumed DLPack capsule")
+    m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+    t = &m.dl_tensor
+    for i in range(t.ndim):
+        n *= t.shape[i]
+    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    if t.strides != NULL and n > 0:
+        expect = 1
+        for i in range(t.ndim - 1, -1, -1):
+            if t.shape[i] != 1 and t.strides[i] != expect:
+                contig = False
+            expect *= t.shape[i]
+    return (<uintptr_t>t.data + t.byte_offset, n * itemsize, t.device.device_type,
+            t.device.device_id, contig)
+
+
+cdef class IO:
+    """One GPU request (struct phx_cuda_io) and what it keeps alive."""
+    cdef phx_cuda_io *io
+    cdef Context ctx
+    cdef object keep
+    cdef readonly object path
+
+    def __dealloc__(self):
+        if self.io != NULL:
+            if not self.io.done and self.ctx is not None and self.ctx.cu != NULL:
+                with nogil:
+                    phx_cuda_wait(self.ctx.cu, self.io, -1)
+            free(self.io)
+            self.io = NULL
+
+    def done(self) -> bool:
+        """True once libphx no longer touches the request (result final)."""
+        return bool(__atomic_done(self.io))
+
+    def wait(self, timeout=None) -> int:
+        """Wait for completion; return the raw result (bytes or -errno)."""
+        cdef int64_t t = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef int rc
+        if not __atomic_done(self.io):
+            with nogil:
+                rc = phx_cuda_wait(self.ctx.cu, self.io, t)
+            if rc < 0:
+                raise TimeoutError("GPU request not complete within the timeout")
+        self.keep = None
+        return self.io.result
+
+    @property
+    def raw_result(self) -> int:
+        """Bytes moved or -errno; valid once done (or the stream passed it)."""
+        return self.io.result
+
+    @property
+    def by_path(self) -> dict:
+        return {"direct": self.io.direct_bytes, "bounce": self.io.bounce_bytes,
+                "page_cache": self.io.buffered_bytes, "paths": self.io.paths}
+
+    def check(self, int64_t res):
+        """``res`` as a byte count, or raise its OSError."""
+        if res < 0:
+            raise _err(<int>res, self.path)
+        return res
+
+
+cdef inline bint __atomic_done(phx_cuda_io *io) nogil:
+    return (<volatile uint32_t *>&io.done)[0] != 0
+
+
+cdef class Context:
+    """A phx_cuda context: pinned staging lanes for one engine and device."""
+    cdef phx_cuda *cu
+    cdef object engine
+    cdef readonly int device
+    cdef readonly int pid
+
+    def __cinit__(self, engine, int device=0, lanes=None, bufs_per_lane=None,
+                  buf_size=None, max_io_size=None, hostfn_gate=None, fixed_bufs=None):
+        cdef phx_cuda_config cfg
+        cdef phx_engine *e = NULL
+        cdef int rc
+        self.cu = NULL
+        phx_cuda_config_init(&cfg)
+        cfg.device = device
+        if lanes is not None:
+            cfg.lanes = lanes
+        if bufs_per_lane is not None:
+            cfg.bufs_per_lane = bufs_per_lane
+        if buf_size is not None:
+            cfg.buf_size = buf_size
+        if max_io_size is not None:
+            cfg.max_io_size = max_io_size
+        if hostfn_gate is not None:
+            cfg.flags = (cfg.flags | PHX_CUDA_HOSTFN_GATE) if hostfn_gate else \
+                (cfg.flags & ~PHX_CUDA_HOSTFN_GATE)
+        if fixed_bufs is not None:
+            cfg.flags = (cfg.flags & ~PHX_CUDA_NO_FIXED_BUFS) if fixed_bufs else \
+                (cfg.flags | PHX_CUDA_NO_FIXED_BUFS)
+        if engine is not None:
+            e = <phx_engine *><uintptr_t>engine._c_engine
+        with nogil:
+            rc = phx_cuda_create(e, &cfg, &self.cu)
+        if rc < 0:
+            self.cu = NULL
+            raise _err(rc, None, "creating the GPU staging context")
+        self.engine = engine
+        self.device = device
+        self.pid = _os.getpid()
+
+    def __dealloc__(self):
+        if self.cu != NULL and self.pid == _os.getpid():
+            with nogil:
+                phx_cuda_destroy(self.cu)
+        self.cu = NULL
+
+    cdef phx_cuda *_get(self) except NULL:
+        if self.cu == NULL:
+            raise ValueError("GPU context is closed")
+        if self.pid != _os.getpid():
+            raise RuntimeError("GPU context used after fork (CUDA does not survive fork)")
+        return self.cu
+
+    def close(self) -> None:
+        """Wait for queued requests, stop the lanes, unpin the staging memory."""
+        cdef phx_cuda *c = self.cu
+        if c == NULL:
+            return
+        self.cu = NULL
+        with nogil:
+            phx_cuda_destroy(c)
+
+    @property
+    def config(self) -> dict:
+        cdef phx_cuda_config cfg
+        phx_cuda_config_get(self._get(), &cfg)
+        d = _cfg_dict(&cfg)
+        d["memops"] = bool(phx_cuda_uses_memops(self.cu))
+        return d
+
+    def stats(self) -> dict:
+        cdef phx_cuda_stats_s st
+        phx_cuda_stats(self._get(), &st)
+        cdef dict d = st
+        return d
+
+    def reset_stats(self) -> None:
+        phx_cuda_stats_reset(self._get())
+
+    def pread(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
+              path=None) -> int:
+        """Synchronous read (cuFileRead semantics: not ordered against streams)."""
+        cdef phx_cuda *c = self._get()
+        cdef int64_t r
+        with nogil:
+            r = phx_cuda_pread(c, <phx_file *>file_addr, devptr, n, offset)
+        if r < 0:
+            raise _err(<int>r, path)
+        return r
+
+    def pwrite(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
+               path=None) -> int:
+        cdef phx_cuda *c = self._get()
+        cdef int64_t r
+        with nogil:
+            r = phx_cuda_pwrite(c, <phx_file *>file_addr, devptr, n, offset)
+        if r < 0:
+            raise _err(<int>r, path)
+        return r
+
+    cdef IO _new(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
+                 bint write, keep, path):
+        cdef IO h = IO.__new__(IO)
+        h.io = <phx_cuda_io *>calloc(1, sizeof(phx_cuda_io))
+        if h.io == NULL:
+            raise MemoryError()
+        phx_cuda_io_prep(h.io, <phx_file *>file_addr, OP_WRITE if write else OP_READ,
+                         devptr, n, offset)
+        h.ctx = self
+        h.keep = keep
+        h.path = path
+        return h
+
+    def submit(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
+               bint write, keep=None, path=None, after_stream=None) -> IO:
+        """Host-async request on an internal stream.  With ``after_stream`` (a
+        CUstream int; 0 = legacy default) it first waits for the work queued
+        there now."""
+        cdef phx_cuda *c = self._get()
+        cdef IO h = self._new(file_addr, devptr, n, offset, write, keep, path)
+        cdef phx_cuda_io *io = h.io
+        cdef int rc
+        cdef uintptr_t s = 0
+        if after_stream is None:
+            with nogil:
+                rc = phx_cuda_submit(c, &io, 1)
+        else:
+            s = <uintptr_t>after_stream
+            with nogil:
+                rc = phx_cuda_submit_after(c, &io, 1, <void *>s)
+        if rc < 0:
+            h.io.done = 1
+            raise _err(rc, path)
+        return h
+
+    def submit_stream(self, uintptr_t file_addr, uint64_t devptr, size_t n,
+                      uint64_t offset, bint write, uintptr_t stream, keep=None,
+                      path=None) -> IO:
+        """Stream-ordered request on ``stream`` (a CUstream int)."""
+        cdef phx_cuda *c = self._get()
+        cdef IO h = self._new(file_addr, devptr, n, offset, write, keep, path)
+        cdef int rc
+        with nogil:
+            rc = phx_cuda_submit_stream(c, h.io, <void *>stream)
+        if rc < 0:
+            h.io.done = 1
+            raise _err(rc, path)
+        return h

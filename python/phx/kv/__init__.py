@@ -1,0 +1,25 @@
+"""phx.kv: dual-path KV-cache residency (Dual-Blade) on phx.
+
+- :class:`KVStore`: per-layer K/V tensors, placed by Algorithm 1 on the page-cache
+  path (Group 1) or the direct O_DIRECT slab path (Group 2);
+- :func:`measure_budget`: the page-cache budget from MemAvailable and the cgroup;
+- :func:`place_layers`: Algorithm 1;
+- :class:`ExtentAllocator`, :class:`SlabBackend`, :class:`DirectBackend`: sequential
+  extents and the direct backend interface;
+- :class:`AdaptivePipeline`: Overlap-Intra / Overlap-Cross selection.
+
+See docs/kv.md.
+"""
+from phx.kv.budget import Budget, cgroup_memory, measure_budget, parse_proc_cgroup
+from phx.kv.pipeline import CROSS, INTRA, AdaptivePipeline, CopyJob
+from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
+from phx.kv.slab import (DirectBackend, Extent, ExtentAllocator, PageCacheBackend,
+                         SlabBackend)
+from phx.kv.store import KVStore, KVTensor, Plan
+
+__all__ = [
+    "AdaptivePipeline", "Budget", "CROSS", "CopyJob", "DIRECT", "DirectBackend", "Extent",
+    "ExtentAllocator", "INTRA", "KVStore", "KVTensor", "PAGECACHE", "PageCacheBackend",
+    "Placement", "Plan", "SlabBackend", "cgroup_memory", "measure_budget",
+    "parse_proc_cgroup", "place_layers",
+]

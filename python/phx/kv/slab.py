@@ -1,0 +1,323 @@
+"""Sequential extents and the two storage backends of the KV store.
+
+:class:`ExtentAllocator` hands out byte extents of one address space (a slab file
+now, LBAs of an NVMe namespace once passthrough lands) with the invariants of the
+paper's sequential-LBA placement, for every *run* of tensors bound together:
+
+- aligned: every extent starts on, and is sized to, a multiple of ``alignment``;
+- disjoint: no two live extents overlap;
+- contiguous: ``start(n+1) == start(n) + length(n)`` inside a run, so a run of
+  tensors occupies one gap-free range.
+
+A run goes to the first freed range large enough for all of it (freed neighbours
+coalesce), else to the tail; it is never split, so reusing freed space cannot
+break the sequence of the tensors placed together.
+
+Backends (the direct one is an interface: :class:`DirectBackend`):
+
+- :class:`SlabBackend`: ONE preallocated file opened with O_DIRECT through phx;
+  discard = ``fallocate(PUNCH_HOLE)``.
+- :class:`PageCacheBackend`: one ordinary file, buffered ``preadv``/``pwritev``
+  through the page cache; discard = ``PUNCH_HOLE`` too (which also drops its pages).
+"""
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+from phx.kv import _sys
+
+
+def round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``length`` bytes at ``start`` (both aligned) holding ``nbytes`` of payload."""
+
+    start: int
+    length: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class ExtentAllocator:
+    """First-fit allocator of aligned, disjoint, contiguous runs of extents.
+
+    ``capacity`` (bytes, None = unbounded) makes an allocation past it fail with
+    ``OSError(ENOSPC)``.
+    """
+
+    def __init__(self, alignment: int = 4096, capacity: int | None = None, base: int = 0):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, not {alignment}")
+        if base % alignment:
+            raise ValueError("base must be aligned")
+        self.alignment = alignment
+        self.capacity = capacity
+        self.base = base
+        self._tail = base
+        self._holes: list[tuple[int, int]] = []   # sorted (start, length), coalesced
+        self._live: dict[int, Extent] = {}        # start -> extent
+
+    @property
+    def tail(self) -> int:
+        """End of the highest extent ever in use (the next run goes here if no hole fits)."""
+        return self._tail
+
+    @property
+    def used(self) -> int:
+        return sum(e.length for e in self._live.values())
+
+    @property
+    def holes(self) -> list[tuple[int, int]]:
+        return list(self._holes)
+
+    def live(self) -> list[Extent]:
+        return [self._live[s] for s in sorted(self._live)]
+
+    def allocate(self, nbytes: int) -> Extent:
+        return self.allocate_run([nbytes])[0]
+
+    def allocate_run(self, sizes: Sequence[int]) -> list[Extent]:
+        """Extents for ``sizes`` (bytes each), back to back in one range."""
+        lengths = [round_up(max(int(s), 1), self.alignment) for s in sizes]
+        total = sum(lengths)
+        if not lengths:
+            return []
+        start = None
+        for i, (hs, hl) in enumerate(self._holes):
+            if hl >= total:
+                start = hs
+                if hl == total:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = (hs + total, hl - total)
+                break
+        if start is None:
+            if self.capacity is not None and self._tail + total > self.base + self.capacity:
+                raise OSError(errno.ENOSPC, f"extent allocator: {total} bytes do not fit "
+                              f"(tail {self._tail}, capacity {self.capacity})")
+            start = self._tail
+            self._tail += total
+        out = []
+        pos = start
+        for s, ln in zip(sizes, lengths):
+            e = Extent(pos, ln, int(s))
+            self._live[pos] = e
+            out.append(e)
+            pos += ln
+        return out
+
+    def free(self, ext: Extent) -> None:
+        """Return ``ext``; it coalesces with free neighbours (and the tail)."""
+        if self._live.get(ext.start) != ext:
+            raise ValueError(f"{ext} is not allocated here")
+        del self._live[ext.start]
+        s, ln = ext.start, ext.length
+        i = bisect.bisect_left(self._holes, (s, 0))
+        if i > 0 and self._holes[i - 1][0] + self._holes[i - 1][1] == s:
+            ps, pl = self._holes.pop(i - 1)
+            s, ln = ps, pl + ln
+            i -= 1
+        if i < len(self._holes) and s + ln == self._holes[i][0]:
+            _, nl = self._holes.pop(i)
+            ln += nl
+        if s + ln == self._tail:
+            self._tail = s
+        else:
+            self._holes.insert(i, (s, ln))
+
+    def check(self) -> None:
+        """Assert the invariants (aligned, disjoint, within the tail); for tests."""
+        prev_end = self.base
+        for e in self.live():
+            assert e.start % self.alignment == 0 and e.length % self.alignment == 0, e
+            assert e.length >= e.nbytes, e
+            assert e.start >= prev_end, f"overlap at {e}"
+            prev_end = e.end
+        assert prev_end <= self._tail
+
+
+@runtime_checkable
+class DirectBackend(Protocol):
+    """What the direct path needs from its storage (the slab now, an NVMe namespace later).
+
+    Offsets are bytes in the backend's address space; ``alignment`` is its block size.
+    """
+
+    alignment: int
+    path: str
+
+    def bind(self, sizes: Sequence[int]) -> list[Extent]:
+        """Reserve extents for a run of tensors (logical: no I/O)."""
+
+    def materialize(self, ext: Extent) -> None:
+        """Make ``ext`` backed by storage (first access)."""
+
+    def read(self, buf, offset: int) -> None:
+        """Fill ``buf`` (buffer protocol) from ``offset``; short reads raise EIO."""
+
+    def write(self, buf, offset: int) -> None:
+        """Write all of ``buf`` at ``offset``."""
+
+    def discard(self, ext: Extent) -> None:
+        """Release ``ext``'s storage (PUNCH_HOLE / DSM deallocate) and its address range."""
+
+    def fileno(self) -> int:
+        """A file descriptor for ``cachestat`` (-1 if none)."""
+
+    def close(self, unlink: bool = True) -> None:
+        """Release everything; remove the backing file when ``unlink``."""
+
+
+class _FileBackendBase:
+    alignment = 4096
+
+    def __init__(self, path: str, capacity: int | None):
+        self.path = path
+        self.alloc = ExtentAllocator(self.alignment, capacity)
+        self._materialized: set[int] = set()
+        self._size = 0
+
+    def bind(self, sizes: Sequence[int]) -> list[Extent]:
+        return self.alloc.allocate_run(sizes)
+
+    def discard(self, ext: Extent) -> None:
+        if ext.start in self._materialized:
+            _sys.punch_hole(self.fileno(), ext.start, ext.length, self.path)
+            self._materialized.discard(ext.start)
+        self.alloc.free(ext)
+
+    def _discard_all(self) -> None:
+        for e in self.alloc.live():
+            self.discard(e)
+        if self._size:
+            _sys.punch_hole(self.fileno(), 0, self._size, self.path)
+
+
+class SlabBackend(_FileBackendBase):
+    """One slab file, O_DIRECT through phx; extents placed back to back.
+
+    ``capacity`` preallocates the slab (one ``fallocate``); without it, each extent is
+    allocated (``fallocate``) when it is first touched, in first-access order.
+    """
+
+    def __init__(self, path: str, capacity: int | None = None, engine=None):
+        import phx
+        super().__init__(path, None)
+        self._f = phx.open(path, "w+", direct=True, engine=engine)
+        mem_align, off_align = getattr(self._f, "alignment", (4096, 4096))
+        self.alignment = max(4096, int(off_align))
+        self.alloc.alignment = self.alignment
+        if capacity:
+            cap = round_up(capacity, self.alignment)
+            _sys.fallocate(self._f.fileno(), 0, cap, 0, path)
+            self._size = cap
+            self._prealloc = cap
+        else:
+            self._prealloc = 0
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def materialize(self, ext: Extent) -> None:
+        if ext.start in self._materialized:
+            return
+        if ext.end > self._prealloc:
+            _sys.fallocate(self._f.fileno(), ext.start, ext.length, 0, self.path)
+            self._size = max(self._size, ext.end)
+        self._materialized.add(ext.start)
+
+    def read(self, buf, offset: int) -> None:
+        n = self._f.pread(buf, offset)
+        want = memoryview(buf).nbytes
+        if n != want:
+            raise OSError(errno.EIO, f"short direct read: {n} of {want} bytes at {offset}",
+                          self.path)
+
+    def write(self, buf, offset: int) -> None:
+        n = self._f.pwrite(buf, offset)
+        want = memoryview(buf).nbytes
+        if n != want:
+            raise OSError(errno.EIO, f"short direct write: {n} of {want} bytes at {offset}",
+                          self.path)
+
+    def read_batch(self, items) -> None:
+        """``[(buf, offset), ...]`` in one submission."""
+        got = self._f.pread_batch(list(items))
+        for (b, off), n in zip(items, got):
+            if n != memoryview(b).nbytes:
+                raise OSError(errno.EIO, f"short direct read at {off}", self.path)
+
+    def close(self, unlink: bool = True) -> None:
+        if self._f is None:
+            return
+        self._discard_all()
+        self._f.close()
+        self._f = None
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class PageCacheBackend(_FileBackendBase):
+    """One ordinary file read and written through the page cache (Group 1)."""
+
+    def __init__(self, path: str):
+        super().__init__(path, None)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def materialize(self, ext: Extent) -> None:
+        if ext.start in self._materialized:
+            return
+        if ext.end > self._size:
+            os.ftruncate(self._fd, ext.end)
+            self._size = ext.end
+        self._materialized.add(ext.start)
+
+    def read(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        done = 0
+        while done < len(mv):
+            n = os.preadv(self._fd, [mv[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read at {offset + done}", self.path)
+            done += n
+
+    def write(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        done = 0
+        while done < len(mv):
+            n = os.pwritev(self._fd, [mv[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write at {offset + done}", self.path)
+            done += n
+
+    def evict(self, ext: Extent) -> None:
+        """Ask the kernel to drop ``ext``'s clean pages (``POSIX_FADV_DONTNEED``)."""
+        os.posix_fadvise(self._fd, ext.start, ext.length, os.POSIX_FADV_DONTNEED)
+
+    def close(self, unlink: bool = True) -> None:
+        if self._fd < 0:
+            return
+        self._discard_all()
+        os.close(self._fd)
+        self._fd = -1
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

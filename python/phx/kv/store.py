@@ -1,0 +1,386 @@
+"""The dual-path KV store: per-layer K and V tensors ("KV placement units", KPUs).
+
+Each KPU is a 2-D-or-more array whose first axis is the token row (FlexLLMGen's
+layout: ``(rows, batch*heads, head_dim)``).  A budgeter measures the page-cache
+budget, Algorithm 1 puts the first layers whose (K, V) pairs fit it on the
+page-cache path (Group 1: one buffered file) and the rest on the direct path
+(Group 2: O_DIRECT through phx into one slab file, or any :class:`DirectBackend`),
+tensors of one run placed back to back.
+
+Binding is logical: planning only assigns groups and extents (the map M: tensor
+-> <start, length>); storage is allocated when a tensor is first read or written.
+Rows are packed in row-major order from an aligned extent start, so a read of rows
+``[0:n]`` -- what every decode step does -- starts aligned; ranges whose byte
+offsets are not block-aligned are handled by phx's bounce buffers.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from phx.kv import _sys
+from phx.kv.budget import Budget, MiB, measure_budget
+from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
+from phx.kv.slab import DirectBackend, Extent, PageCacheBackend, SlabBackend, round_up
+
+MODES = ("dual", "direct", "pagecache")
+GROUP_NAMES = {PAGECACHE: "pagecache", DIRECT: "direct", None: "unbound"}
+
+
+def _itemsize(dtype: Any) -> tuple[int, bool]:
+    """(bytes per element, is a torch dtype)."""
+    try:
+        return np.dtype(dtype).itemsize, False
+    except TypeError:
+        import torch
+        if isinstance(dtype, torch.dtype):
+            return torch.empty((), dtype=dtype).element_size(), True
+        raise
+
+
+def _byte_view(obj: Any, writable: bool) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous numpy array or CPU torch tensor."""
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError("KV arrays must be C-contiguous")
+        if writable and not obj.flags.writeable:
+            raise ValueError("destination array is read-only")
+        return obj.reshape(-1).view(np.uint8)
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        import torch
+        if obj.device.type != "cpu":
+            raise ValueError(f"only CPU tensors are supported here, not {obj.device}")
+        if not obj.is_contiguous():
+            raise ValueError("KV tensors must be contiguous")
+        return obj.detach().reshape(-1).view(torch.uint8).numpy()
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        raise ValueError("KV buffers must be contiguous")
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+class KVTensor:
+    """A handle on one KPU of a :class:`KVStore` (never touch storage directly)."""
+
+    __slots__ = ("id", "layer", "kind", "shape", "dtype", "row_bytes", "nbytes",
+                 "group", "extent", "materialized", "freed", "_torch")
+
+    def __init__(self, tid: int, layer: int, kind: str, shape: tuple[int, ...], dtype: Any):
+        if len(shape) < 1 or any(int(s) <= 0 for s in shape):
+            raise ValueError(f"bad KV shape {shape}")
+        item, is_torch = _itemsize(dtype)
+        self.id = tid
+        self.layer = int(layer)
+        self.kind = kind
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self._torch = is_torch
+        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * item
+        self.nbytes = self.row_bytes * self.shape[0]
+        self.group: int | None = None
+        self.extent: Extent | None = None
+        self.materialized = False
+        self.freed = False
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"KVTensor(layer={self.layer}, kind={self.kind!r}, shape={self.shape}, "
+                f"group={GROUP_NAMES[self.group]}, extent={self.extent})")
+
+
+@dataclass
+class Plan:
+    """What :meth:`KVStore.plan` decided, with the numbers behind it."""
+    mode: str
+    budget: Budget
+    knob: int
+    placement: Placement | None
+    tensors: list[KVTensor] = field(default_factory=list)
+
+    @property
+    def n1(self) -> int:
+        """Layers on the page-cache path (all bound tensors, not only the last run)."""
+        return len({t.layer for t in self.tensors if t.group == PAGECACHE})
+
+    def group_bytes(self, group: int) -> int:
+        return sum(t.extent.length for t in self.tensors if t.group == group and t.extent)
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "budget": self.budget.as_dict(),
+            "knob": self.knob,
+            "layers_pagecache": sorted({t.layer for t in self.tensors if t.group == PAGECACHE}),
+            "layers_direct": sorted({t.layer for t in self.tensors if t.group == DIRECT}),
+            "pagecache_bytes": self.group_bytes(PAGECACHE),
+            "direct_bytes": self.group_bytes(DIRECT),
+        }
+
+    def __str__(self) -> str:
+        out = [f"phx.kv plan (mode {self.mode})", self.budget.explain(),
+               f"knob X                  {self.knob / MiB:12.1f} MiB"]
+        out.append(f"Group 1 (page cache)    {self.group_bytes(PAGECACHE) / MiB:12.1f} MiB, "
+                   f"layers {_ranges(sorted({t.layer for t in self.tensors if t.group == PAGECACHE}))}")
+        out.append(f"Group 2 (direct)        {self.group_bytes(DIRECT) / MiB:12.1f} MiB, "
+                   f"layers {_ranges(sorted({t.layer for t in self.tensors if t.group == DIRECT}))}")
+        out.append("layer kind  group      start        length       state")
+        for t in sorted(self.tensors, key=lambda t: (t.layer, t.kind)):
+            e = t.extent
+            out.append(f"{t.layer:5d} {t.kind:4s}  {GROUP_NAMES[t.group]:9s}  "
+                       f"{(e.start if e else -1):11d}  {(e.length if e else 0):11d}  "
+                       f"{'materialized' if t.materialized else 'bound (logical)'}")
+        return "\n".join(out)
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "none"
+    out, a, b = [], xs[0], xs[0]
+    for x in xs[1:]:
+        if x == b + 1:
+            b = x
+            continue
+        out.append(f"{a}-{b}" if a != b else f"{a}")
+        a = b = x
+    out.append(f"{a}-{b}" if a != b else f"{a}")
+    return ",".join(out)
+
+
+class KVStore:
+    """Per-layer K/V offload store over the page-cache and direct paths.
+
+    Args:
+        directory: where the page-cache file and the slab live (created if needed).
+        mode: ``"dual"`` (Algorithm 1), ``"direct"`` (everything on the direct path)
+            or ``"pagecache"`` (everything buffered).
+        budget: B_pc in bytes, instead of measuring it.
+        reserve: bytes the budgeter keeps free (default 8 MiB + 2% of the headroom).
+        pinned_bytes: copy buffers the caller will still pin (subtracted from B_pc).
+        direct_backend: a :class:`DirectBackend`; default a :class:`SlabBackend`
+            (``kv-slab.bin``) created on the first direct binding.
+        slab_capacity: preallocate the default slab to this many bytes.
+        engine: the phx engine for the default slab (default: phx's default engine).
+    """
+
+    def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
+                 reserve: int | None = None, pinned_bytes: int = 0,
+                 direct_backend: DirectBackend | None = None,
+                 slab_capacity: int | None = None, engine=None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.mode = mode
+        self.budget_override = budget
+        self.reserve = reserve
+        self.pinned_bytes = pinned_bytes
+        self._slab_capacity = slab_capacity
+        self._engine = engine
+        self._lock = threading.RLock()
+        self._tensors: dict[int, KVTensor] = {}
+        self._next = 0
+        self._pc: PageCacheBackend | None = None
+        self._direct: DirectBackend | None = direct_backend
+        self._own_direct = direct_backend is None
+        self._last_plan: Plan | None = None
+        self._closed = False
+
+    # -- allocation ---------------------------------------------------------
+    def allocate_tensor(self, layer: int, kind: str, shape: tuple[int, ...],
+                        dtype: Any = np.float16) -> KVTensor:
+        """Register one KPU (logical: no storage until first access)."""
+        self._check_open()
+        with self._lock:
+            t = KVTensor(self._next, layer, kind, tuple(shape), dtype)
+            self._next += 1
+            self._tensors[t.id] = t
+            return t
+
+    def allocate(self, layer: int, shape: tuple[int, ...],
+                 dtype: Any = np.float16) -> tuple[KVTensor, KVTensor]:
+        """Register layer ``layer``'s K and V, each of ``shape`` (rows first)."""
+        return (self.allocate_tensor(layer, "k", shape, dtype),
+                self.allocate_tensor(layer, "v", shape, dtype))
+
+    def tensors(self) -> list[KVTensor]:
+        return sorted(self._tensors.values(), key=lambda t: (t.layer, t.kind, t.id))
+
+    # -- planning -----------------------------------------------------------
+    def measure_budget(self) -> Budget:
+        return measure_budget(self.pinned_bytes, self.reserve, self.budget_override)
+
+    def plan(self) -> Plan:
+        """Bind every unbound tensor (Algorithm 1) and explain the whole placement."""
+        self._check_open()
+        with self._lock:
+            budget = self.measure_budget()
+            unbound = [t for t in self.tensors() if t.group is None]
+            bound_g1 = sum(t.extent.length for t in self._tensors.values()
+                           if t.group == PAGECACHE and t.extent)
+            if self.mode == "direct":
+                knob = 0
+            elif self.mode == "pagecache":
+                knob = 1 << 62
+            else:
+                knob = max(0, budget.bytes - bound_g1)
+            placement = None
+            if unbound:
+                layers = sorted({t.layer for t in unbound})
+                pair = {L: 0 for L in layers}
+                for t in unbound:
+                    pair[t.layer] += round_up(t.nbytes, 4096)
+                placement = place_layers([pair[L] for L in layers], knob)
+                g_of = dict(zip(layers, placement.groups))
+                g1 = [t for t in unbound if g_of[t.layer] == PAGECACHE]
+                g2 = [t for t in unbound if g_of[t.layer] == DIRECT]
+                if g1:
+                    for t, e in zip(g1, self._pagecache().bind([t.nbytes for t in g1])):
+                        t.group, t.extent = PAGECACHE, e
+                if g2:
+                    for t, e in zip(g2, self._direct_backend().bind([t.nbytes for t in g2])):
+                        t.group, t.extent = DIRECT, e
+            self._last_plan = Plan(self.mode, budget, knob, placement, self.tensors())
+            return self._last_plan
+
+    @property
+    def last_plan(self) -> Plan | None:
+        return self._last_plan
+
+    def _pagecache(self) -> PageCacheBackend:
+        if self._pc is None:
+            self._pc = PageCacheBackend(os.path.join(self.directory, "kv-pagecache.bin"))
+        return self._pc
+
+    def _direct_backend(self) -> DirectBackend:
+        if self._direct is None:
+            self._direct = SlabBackend(os.path.join(self.directory, "kv-slab.bin"),
+                                       self._slab_capacity, self._engine)
+        return self._direct
+
+    def backend_of(self, t: KVTensor):
+        return self._pc if t.group == PAGECACHE else self._direct
+
+    def _ready(self, t: KVTensor):
+        """Bind (plan) if needed and materialize on first access; the tensor's backend."""
+        if t.freed:
+            raise ValueError(f"{t} was freed")
+        if t.group is None or not t.materialized:
+            with self._lock:
+                self._check_open()
+                if t.group is None:
+                    self.plan()
+                if not t.materialized:
+                    self.backend_of(t).materialize(t.extent)
+                    t.materialized = True
+        return self.backend_of(t)
+
+    # -- I/O ----------------------------------------------------------------
+    def _range(self, t: KVTensor, start: int, stop: int) -> tuple[int, int]:
+        if not 0 <= start <= stop <= t.rows:
+            raise IndexError(f"rows [{start}:{stop}] outside 0..{t.rows} of {t}")
+        return t.extent.start + start * t.row_bytes, (stop - start) * t.row_bytes
+
+    def write(self, t: KVTensor, start: int, src: Any) -> int:
+        """Write ``src`` (array/tensor of whole rows) at rows ``start:``; returns rows written."""
+        self._check_open()
+        view = _byte_view(src, writable=False)
+        if view.nbytes % t.row_bytes:
+            raise ValueError(f"{view.nbytes} bytes is not a whole number of "
+                             f"{t.row_bytes}-byte rows")
+        n = view.nbytes // t.row_bytes
+        be = self._ready(t)
+        off, ln = self._range(t, start, start + n)
+        if ln:
+            be.write(view, off)
+        return n
+
+    def read(self, t: KVTensor, start: int = 0, stop: int | None = None, out: Any = None):
+        """Read rows ``[start:stop]`` into ``out`` (allocated, aligned, when None); returns it."""
+        self._check_open()
+        stop = t.rows if stop is None else stop
+        be = self._ready(t)
+        off, ln = self._range(t, start, stop)
+        if out is None:
+            out = self._empty(t, stop - start)
+        view = _byte_view(out, writable=True)
+        if view.nbytes != ln:
+            raise ValueError(f"destination holds {view.nbytes} bytes, rows [{start}:{stop}] "
+                             f"are {ln}")
+        if ln:
+            be.read(view, off)
+        return out
+
+    def _empty(self, t: KVTensor, rows: int):
+        shape = (rows,) + t.shape[1:]
+        if t._torch:
+            import torch
+            return torch.empty(shape, dtype=t.dtype)
+        dt = np.dtype(t.dtype)
+        return _sys.aligned_empty(rows * t.row_bytes).view(dt).reshape(shape)
+
+    def cached_pages(self, t: KVTensor, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(pages of rows ``[start:stop]`` in the page cache, pages) via ``cachestat``."""
+        stop = t.rows if stop is None else stop
+        if t.extent is None or not t.materialized:
+            return 0, 0
+        be = self.backend_of(t)
+        fd = be.fileno()
+        off, ln = self._range(t, start, stop)
+        if fd < 0:
+            return 0, (ln + _sys.PAGE - 1) // _sys.PAGE
+        return _sys.cached_pages(fd, off, ln)
+
+    # -- release ------------------------------------------------------------
+    def free(self, t: KVTensor) -> None:
+        """Release ``t``: its extent is discarded (PUNCH_HOLE / DSM) and reusable."""
+        with self._lock:
+            if t.freed:
+                return
+            if t.extent is not None:
+                self.backend_of(t).discard(t.extent)
+            t.freed = True
+            t.extent = None
+            t.materialized = False
+            self._tensors.pop(t.id, None)
+
+    def destroy(self, unlink: bool = True) -> None:
+        """Free every tensor, punch the files empty, close (and remove) them."""
+        with self._lock:
+            if self._closed:
+                return
+            for t in list(self._tensors.values()):
+                self.free(t)
+            if self._pc is not None:
+                self._pc.close(unlink)
+            if self._direct is not None:
+                self._direct.close(unlink if self._own_direct else False)
+            self._closed = True
+
+    close = destroy
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("KV store is destroyed")
+
+    # -- introspection ------------------------------------------------------
+    @property
+    def slab_path(self) -> str | None:
+        return self._direct.path if self._direct is not None else None
+
+    @property
+    def pagecache_path(self) -> str | None:
+        return self._pc.path if self._pc is not None else None
