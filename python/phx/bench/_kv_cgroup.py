@@ -1,0 +1,142 @@
+"""A real memory cgroup (v1 or v2) to run one benchmark worker under a cap."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+V1_ROOT = "/sys/fs/cgroup/memory"
+V2_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_version() -> int | None:
+    """1 or 2 for the memory controller mounted here, None without one."""
+    if os.path.exists(os.path.join(V2_ROOT, "cgroup.controllers")):
+        with open(os.path.join(V2_ROOT, "cgroup.controllers")) as f:
+            if "memory" in f.read().split():
+                return 2
+    if os.path.exists(os.path.join(V1_ROOT, "memory.limit_in_bytes")):
+        return 1
+    return None
+
+
+def can_create() -> tuple[bool, str]:
+    """Whether a memory cgroup can be created here (and why not)."""
+    v = cgroup_version()
+    if v is None:
+        return False, "no memory cgroup controller mounted"
+    if os.geteuid() != 0:
+        return False, "creating cgroups needs root"
+    try:
+        cg = MemCgroup(f"phx-probe-{os.getpid()}", None)
+        cg.close()
+    except OSError as e:
+        return False, f"cannot create a memory cgroup: {e}"
+    return True, ""
+
+
+class MemCgroup:
+    """A child memory cgroup with an optional limit; removed by :meth:`close`."""
+
+    def __init__(self, name: str, limit: int | None):
+        self.version = cgroup_version()
+        if self.version is None:
+            raise OSError("no memory cgroup controller")
+        if self.version == 1:
+            self.path = os.path.join(V1_ROOT, name)
+        else:
+            self._enable_v2()
+            self.path = os.path.join(V2_ROOT, name)
+        os.makedirs(self.path, exist_ok=True)
+        self.limit = limit
+        if limit is not None:
+            self.set_limit(limit)
+
+    @staticmethod
+    def _enable_v2() -> None:
+        ctl = os.path.join(V2_ROOT, "cgroup.subtree_control")
+        with open(ctl) as f:
+            if "memory" in f.read().split():
+                return
+        with open(ctl, "w") as f:
+            f.write("+memory")
+
+    def _w(self, name: str, value: str) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(value)
+
+    def _r(self, name: str) -> str | None:
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        if self.version == 1:
+            self._w("memory.limit_in_bytes", str(limit))
+        else:
+            self._w("memory.max", str(limit))
+            try:
+                self._w("memory.swap.max", "0")
+            except OSError:
+                pass
+
+    def add(self, pid: int) -> None:
+        self._w("cgroup.procs", str(pid))
+
+    def usage(self) -> int:
+        return int(self._r("memory.usage_in_bytes" if self.version == 1 else "memory.current") or 0)
+
+    def peak(self) -> int | None:
+        s = self._r("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak")
+        return int(s) if s and s.isdigit() else None
+
+    def stat(self) -> dict[str, int]:
+        out = {}
+        for line in (self._r("memory.stat") or "").splitlines():
+            k, _, v = line.partition(" ")
+            if v.isdigit():
+                out[k] = int(v)
+        return out
+
+    def oom_kills(self) -> int:
+        if self.version == 1:
+            s = self._r("memory.oom_control") or ""
+            for line in s.splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+            return 0
+        s = self._r("memory.events") or ""
+        for line in s.splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` inside this cgroup (it joins before exec)."""
+        procs = os.path.join(self.path, "cgroup.procs")
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        return subprocess.Popen(argv, preexec_fn=join, **kw)
+
+    def close(self) -> None:
+        """Remove the cgroup (waits briefly for its last task to leave)."""
+        for _ in range(100):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)
+        os.rmdir(self.path)
+
+    def __enter__(self) -> "MemCgroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

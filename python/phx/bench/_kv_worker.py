@@ -1,0 +1,361 @@
+"""One run of FlexLLMGen's KV I/O pattern under one configuration (runs inside the cgroup).
+
+The replay, per configuration, with the same threads, buffers and data:
+
+- tensors: for each of ``layers`` layers a K and a V of shape
+  ``(prompt + gen - 1, batch * heads, hidden // heads)`` (FlexLLMGen's cache layout);
+- prefill: rows ``[0:prompt]`` of every K and V are written (K and V of a layer on
+  two copy threads at once);
+- decode step i (i = 0 .. gen-2), layer by layer: rows ``[0:prompt+i]`` of K and V
+  are read into the copy threads' relay buffers and copied ("DMA") to per-tensor
+  destination buffers, then row ``prompt+i`` of K and V is written.
+
+Configurations:
+
+- ``baseline``: FlexLLMGen's ``TorchDisk``: one ``.npy`` file per tensor, opened with
+  ``np.lib.format.open_memmap`` on every copy and sliced (page cache + mmap);
+- ``cachepolicy``: the same, plus ``posix_fadvise(DONTNEED)`` after every access to the
+  tensors Algorithm 1 keeps out of the page-cache budget;
+- ``direct``: :class:`phx.kv.KVStore` with everything on the direct (O_DIRECT) path;
+- ``dual``: :class:`phx.kv.KVStore` in dual mode with the adaptive pipeline.
+
+The page-cache hit rate of every read is taken with ``cachestat`` on the range just
+before reading it.  The result is one JSON document on ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from phx.kv import _sys
+from phx.kv.budget import measure_budget
+from phx.kv.pipeline import AdaptivePipeline, CopyJob
+from phx.kv.planner import PAGECACHE, place_layers
+from phx.kv.slab import round_up
+
+CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
+
+
+class Shape:
+    def __init__(self, c: dict):
+        self.layers = c["layers"]
+        self.batch = c["batch"]
+        self.hidden = c["hidden"]
+        self.heads = c["heads"]
+        self.prompt = c["prompt"]
+        self.gen = c["gen"]
+        self.dtype = np.dtype(c.get("dtype", "float16"))
+        self.rows = self.prompt + self.gen - 1
+        self.tshape = (self.rows, self.batch * self.heads, self.hidden // self.heads)
+        self.row_bytes = self.batch * self.hidden * self.dtype.itemsize
+        self.tensor_bytes = self.rows * self.row_bytes
+        self.ntensors = 2 * self.layers
+
+    @property
+    def working_set(self) -> int:
+        return self.ntensors * self.tensor_bytes
+
+
+def _cg_file(name: str) -> str | None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if "memory" in ctrls.split(","):
+            return os.path.join("/sys/fs/cgroup/memory" + path, name)
+        if hid == "0" and ctrls == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            v2 = {"memory.usage_in_bytes": "memory.current",
+                  "memory.limit_in_bytes": "memory.max"}.get(name, name)
+            return os.path.join("/sys/fs/cgroup" + path, v2)
+    return None
+
+
+def cgroup_value(name: str) -> int | None:
+    p = _cg_file(name)
+    try:
+        with open(p) as f:
+            s = f.read().strip()
+        return int(s) if s != "max" else None
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+# -- the I/O layer of each configuration --------------------------------------------
+class MemmapIO:
+    """FlexLLMGen's disk tier: one .npy per tensor, reopened as a memmap on every copy."""
+
+    def __init__(self, shape: Shape, d: str, evict_from_layer: int | None = None):
+        self.s = shape
+        self.paths = []
+        self.fds = []       # measurement/advice only (cachestat, fadvise)
+        self.offs = []
+        self.evict_from = evict_from_layer
+        for i in range(shape.ntensors):
+            p = os.path.join(d, f"t{i}.npy")
+            mm = np.lib.format.open_memmap(p, mode="w+", shape=shape.tshape, dtype=shape.dtype)
+            self.offs.append(mm.offset)
+            del mm
+            self.paths.append(p)
+            self.fds.append(os.open(p, os.O_RDONLY))
+
+    def _evict(self, tid: int) -> None:
+        if self.evict_from is not None and tid // 2 >= self.evict_from:
+            os.posix_fadvise(self.fds[tid], 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def write(self, tid: int, start: int, src: np.ndarray) -> None:
+        mm = np.lib.format.open_memmap(self.paths[tid])
+        n = src.nbytes // self.s.row_bytes
+        mm[start:start + n] = src.view(self.s.dtype).reshape((n,) + self.s.tshape[1:])
+        del mm
+        self._evict(tid)
+
+    def read(self, tid: int, start: int, stop: int, relay: np.ndarray) -> int:
+        mm = np.lib.format.open_memmap(self.paths[tid])
+        nb = (stop - start) * self.s.row_bytes
+        dst = relay[:nb].view(self.s.dtype).reshape((stop - start,) + self.s.tshape[1:])
+        np.copyto(dst, mm[start:stop])
+        del mm
+        self._evict(tid)
+        return nb
+
+    def cached(self, tid: int, start: int, stop: int) -> tuple[int, int]:
+        return _sys.cached_pages(self.fds[tid], self.offs[tid] + start * self.s.row_bytes,
+                                 (stop - start) * self.s.row_bytes)
+
+    def check(self, tid: int, row: int) -> bytes:
+        mm = np.lib.format.open_memmap(self.paths[tid], mode="r")
+        b = mm[row].tobytes()
+        del mm
+        return b
+
+    def plan(self) -> dict:
+        return {"evict_from_layer": self.evict_from}
+
+    def close(self) -> None:
+        for fd, p in zip(self.fds, self.paths):
+            os.close(fd)
+            os.unlink(p)
+
+
+class StoreIO:
+    """phx.kv's store (direct-only or dual-path)."""
+
+    def __init__(self, shape: Shape, d: str, mode: str, pinned: int, reserve: int | None):
+        from phx.kv.store import KVStore
+        self.s = shape
+        self.store = KVStore(d, mode=mode, pinned_bytes=pinned, reserve=reserve)
+        self.t = []
+        for L in range(shape.layers):
+            self.t.extend(self.store.allocate(L, shape.tshape, shape.dtype))
+        self._plan = self.store.plan()
+
+    def write(self, tid: int, start: int, src: np.ndarray) -> None:
+        self.store.write(self.t[tid], start, src)
+
+    def read(self, tid: int, start: int, stop: int, relay: np.ndarray) -> int:
+        nb = (stop - start) * self.s.row_bytes
+        self.store.read(self.t[tid], start, stop, out=relay[:nb])
+        return nb
+
+    def cached(self, tid: int, start: int, stop: int) -> tuple[int, int]:
+        return self.store.cached_pages(self.t[tid], start, stop)
+
+    def check(self, tid: int, row: int) -> bytes:
+        return bytes(self.store.read(self.t[tid], row, row + 1).view(np.uint8).reshape(-1))
+
+    def plan(self) -> dict:
+        return self._plan.as_dict()
+
+    def close(self) -> None:
+        self.store.destroy()
+
+
+# -- the replay ---------------------------------------------------------------------
+def run_worker(c: dict) -> dict:
+    s = Shape(c)
+    cfg = c["config"]
+    d = c["dir"]
+    os.makedirs(d, exist_ok=True)
+    threads = c.get("threads", 2)
+    hitrate = c.get("hitrate", True) and _sys.cachestat_available()
+    rng = np.random.default_rng(c.get("seed", 1))
+    # "device-side" data: prompt rows of random bytes (never zeros), aligned
+    src = _sys.aligned_empty(s.prompt * s.row_bytes)
+    src[:] = np.frombuffer(rng.bytes(src.nbytes), dtype=np.uint8)
+    dev = [_sys.aligned_empty(s.tensor_bytes) for _ in range(2)]   # "GPU" K and V buffers
+    pinned = threads * s.tensor_bytes
+    base_usage = cgroup_value("memory.usage_in_bytes")
+    limit = cgroup_value("memory.limit_in_bytes")
+    if cfg == "probe":
+        # what the worker holds before any KV I/O: the cap's fixed part
+        relays = [_sys.aligned_empty(s.tensor_bytes) for _ in range(threads)]
+        for r in relays:
+            r[:] = 1
+        for x in dev:
+            x[:] = 1
+        import phx  # noqa: F401  (the engine's bounce buffers)
+        return {"config": "probe", "usage": cgroup_value("memory.usage_in_bytes"),
+                "base_usage_before_buffers": base_usage}
+
+    budget = measure_budget(pinned, c.get("reserve"))
+    if cfg == "baseline":
+        io = MemmapIO(s, d)
+    elif cfg == "cachepolicy":
+        pb = round_up(s.tensor_bytes, 4096) * 2
+        n1 = place_layers([pb] * s.layers, budget.bytes).n1
+        io = MemmapIO(s, d, evict_from_layer=n1)
+    elif cfg == "direct":
+        io = StoreIO(s, d, "direct", pinned, c.get("reserve"))
+    elif cfg == "dual":
+        io = StoreIO(s, d, "dual", pinned, c.get("reserve"))
+    else:
+        raise ValueError(f"unknown configuration {cfg}")
+
+    strategy = c.get("strategy")                 # dual: None = adaptive
+    if cfg == "dual":
+        pipe = AdaptivePipeline(s.tensor_bytes, threads, strategy=strategy)
+        relays = pipe.relays
+        pool = None
+    else:
+        pipe = None
+        relays = [_sys.aligned_empty(s.tensor_bytes) for _ in range(threads)]
+        pool = ThreadPoolExecutor(threads)
+    for r in relays:
+        r[:] = 0
+    dma = c.get("dma", True)
+    hit = [0, 0]
+    hit_lock = threading.Lock()
+
+    def read_job(tid: int, stop: int):
+        def read(relay):
+            if hitrate:
+                hc, ht = io.cached(tid, 0, stop)
+                with hit_lock:
+                    hit[0] += hc
+                    hit[1] += ht
+            return io.read(tid, 0, stop, relay)
+
+        def copy(relay, nb):
+            if dma:
+                np.copyto(dev[tid % 2][:nb], relay[:nb])
+        return CopyJob(read, copy)
+
+    def plain(jobs):
+        # FlexLLMGen-style copy threads: each job read + copy on its own thread
+        ts = list(pool.map(lambda ij: _plain_one(ij[1], relays[ij[0] % threads]),
+                           enumerate(jobs)))
+        return sum(ts)
+
+    io0 = _sys.proc_io()
+    blk0 = _block_read_bytes()
+    # prefill
+    t0 = time.perf_counter()
+    for L in range(s.layers):
+        ws = [(2 * L, src), (2 * L + 1, src)]
+        if pool is not None:
+            list(pool.map(lambda a: io.write(a[0], 0, a[1]), ws))
+        else:
+            list(pipe._pool.map(lambda a: io.write(a[0], 0, a[1]), ws))
+    t_prefill = time.perf_counter() - t0
+    io1 = _sys.proc_io()
+    blk1 = _block_read_bytes()
+    # decode
+    steps = []
+    strategies = []
+    t1 = time.perf_counter()
+    for i in range(s.gen - 1):
+        ts = time.perf_counter()
+        if pipe is not None:
+            strategies.append(pipe.begin_step())
+        stop = s.prompt + i
+        rowsrc = src[(i % s.prompt) * s.row_bytes:(i % s.prompt + 1) * s.row_bytes]
+        for L in range(s.layers):
+            jobs = [read_job(2 * L, stop), read_job(2 * L + 1, stop)]
+            if pipe is not None:
+                pipe.run(jobs)
+            else:
+                plain(jobs)
+            io.write(2 * L, stop, rowsrc)
+            io.write(2 * L + 1, stop, rowsrc)
+        if pipe is not None:
+            pipe.end_step()
+        steps.append(time.perf_counter() - ts)
+    t_decode = time.perf_counter() - t1
+    io2 = _sys.proc_io()
+    blk2 = _block_read_bytes()
+    # correctness: first prompt row of layer 0 K, last decode row of the last V
+    ok = io.check(0, 0) == bytes(src[:s.row_bytes])
+    last = s.prompt + s.gen - 2
+    lsrc = ((s.gen - 2) % s.prompt) * s.row_bytes
+    ok = ok and io.check(s.ntensors - 1, last) == bytes(src[lsrc:lsrc + s.row_bytes])
+    res = {
+        "config": cfg,
+        "prefill_s": t_prefill,
+        "decode_s": t_decode,
+        "decode_step_s": steps,
+        "hit_pages": hit[0],
+        "read_pages": hit[1],
+        "hit_rate": hit[0] / hit[1] if hit[1] else None,
+        "prefill_device_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+        "prefill_device_write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+        "decode_device_read_bytes": io2.get("read_bytes", 0) - io1.get("read_bytes", 0),
+        "decode_device_write_bytes": io2.get("write_bytes", 0) - io1.get("write_bytes", 0),
+        "disk_read_bytes_all_processes": (blk2 - blk1) if blk1 is not None else None,
+        "decode_logical_read_bytes": sum(2 * s.layers * (s.prompt + i) * s.row_bytes
+                                         for i in range(s.gen - 1)),
+        "budget": budget.as_dict(),
+        "plan": io.plan(),
+        "pipeline": pipe.report() if pipe else None,
+        "strategies": strategies,
+        "cgroup_limit": limit,
+        "usage_at_start": base_usage,
+        "peak_usage": cgroup_value("memory.max_usage_in_bytes") or cgroup_value("memory.peak"),
+        "verified": bool(ok),
+    }
+    if pipe is not None:
+        pipe.close()
+    if pool is not None:
+        pool.shutdown()
+    io.close()
+    return res
+
+
+def _plain_one(job: CopyJob, relay: np.ndarray) -> int:
+    nb = job.read(relay)
+    job.dma(relay, nb)
+    return nb
+
+
+def _block_read_bytes() -> int | None:
+    """Bytes read from the disk holding the working directory (all processes)."""
+    try:
+        dev = os.stat(".").st_dev
+        major, minor = os.major(dev), os.minor(dev)
+        with open(f"/sys/dev/block/{major}:{minor}/stat") as f:
+            return int(f.read().split()[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def main(argv: list[str]) -> int:
+    conf = json.loads(argv[0])
+    out = argv[1]
+    os.makedirs(conf["dir"], exist_ok=True)
+    os.chdir(conf["dir"])
+    res = run_worker(conf)
+    with open(out, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
