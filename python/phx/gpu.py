@@ -1,0 +1,393 @@
+"""GPU memory as source and target of phx I/O (pinned "Co-DMA" staging).
+
+Without the phx kernel module an NVMe controller cannot write into GPU
+memory, so phx stages through a few pinned host buffers per engine: the SSD
+fills one (io_uring, O_DIRECT, fixed buffer) while the copy engine moves the
+previous one to the GPU.  No payload byte is copied by the CPU.  CUDA is
+loaded at run time, so this module imports on machines without a GPU;
+:func:`is_available` says whether it can be used, and why not.
+
+GPU buffers: CUDA torch tensors, objects with ``__cuda_array_interface__``
+(CuPy, Numba, ...) and DLPack objects on a CUDA device; they must be
+contiguous (:class:`phx.BufferNotContiguousError` otherwise).
+
+Three ways to call it:
+
+* ``File.pread/pwrite(gpu_buf, offset)`` (routed here) or :func:`pread` /
+  :func:`pwrite`: synchronous.  They are ordered after the work already
+  queued on the buffer's stream (torch: the current stream; CuPy: the
+  interface's ``stream``, else the legacy default stream), so writing a
+  freshly computed tensor needs no ``synchronize()``; the data is on the GPU
+  (or in the file) when they return.
+* ``File.pread_async/pwrite_async`` or :func:`pread_async` /
+  :func:`pwrite_async`: the same, returning a :class:`GPUFuture`.
+* :func:`read_async` / :func:`write_async`: stream-ordered, like
+  ``cuFileReadAsync``: queued on a CUDA stream and executed when the stream
+  gets there; kernels queued after a read see its data, a write sends what
+  kernels queued before it produced.  No host synchronisation.
+
+Settings (environment, read when a context is created): ``PHX_CUDA_LANES``
+(staging threads, each with its own io_uring; 4), ``PHX_CUDA_BUFS`` (pinned
+buffers per lane; 4), ``PHX_CUDA_BUF_SIZE`` (bytes each; 4M),
+``PHX_CUDA_MAX_IO`` (largest device request; 1M), ``PHX_CUDA_HOSTFN_GATE=1``
+(gate streams with host functions instead of cuStreamWaitValue32).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+__all__ = [
+    "GPUFuture", "StreamOp", "context", "engine_stats", "is_available",
+    "is_device_buffer", "pread", "pread_async", "pwrite", "pwrite_async",
+    "read_async", "stats", "write_async",
+]
+
+try:
+    from phx._lib import cuda as _cuda
+    _IMPORT_ERROR: str | None = None
+except ImportError as e:  # built without the GPU module
+    _cuda = None
+    _IMPORT_ERROR = f"phx was built without its GPU module: {e}"
+
+try:
+    from phx._lib.engine import BufferNotContiguousError, BufferReadOnlyError
+    from phx._lib.engine import is_device_buffer as _is_device_buffer
+except ImportError:  # the core is missing: only is_available() is useful
+    BufferNotContiguousError = BufferReadOnlyError = ValueError  # type: ignore
+    _is_device_buffer = None
+
+_avail: tuple[bool, str] | None = None
+_lock = threading.Lock()
+_contexts: dict[tuple[int, int], Any] = {}
+_pending: deque = deque()
+
+
+def is_available() -> tuple[bool, str]:
+    """``(True, "CUDA driver 13.0, 1 device")`` or ``(False, reason)``."""
+    global _avail
+    if _avail is None:
+        if _cuda is None:
+            _avail = (False, _IMPORT_ERROR or "no GPU module")
+        else:
+            _avail = _cuda.available()
+    return _avail
+
+
+def is_device_buffer(buf) -> bool:
+    """True for GPU memory (CUDA torch tensors, ``__cuda_array_interface__``,
+    DLPack on a CUDA device)."""
+    if _is_device_buffer is not None:
+        return bool(_is_device_buffer(buf))
+    if hasattr(buf, "__cuda_array_interface__"):
+        return True
+    t = sys.modules.get("torch")
+    if t is not None and isinstance(buf, t.Tensor):
+        return bool(buf.is_cuda)
+    dev = getattr(buf, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return dev()[0] in (2, 3, 13)
+        except Exception:
+            return False
+    return False
+
+
+def _require() -> None:
+    ok, why = is_available()
+    if not ok:
+        raise RuntimeError(f"phx GPU I/O is unavailable: {why}")
+
+
+# ---------------------------------------------------------------------------
+# Buffers and streams
+# ---------------------------------------------------------------------------
+
+class _View:
+    __slots__ = ("ptr", "nbytes", "device", "keep", "stream", "readonly")
+
+    def __init__(self, ptr, nbytes, device, keep, stream, readonly=False):
+        self.ptr, self.nbytes, self.device = int(ptr), int(nbytes), int(device)
+        self.keep, self.stream, self.readonly = keep, stream, readonly
+
+
+def _c_contiguous(shape, strides, itemsize) -> bool:
+    if strides is None:
+        return True
+    expect = itemsize
+    for dim, st in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and st != expect:
+            return False
+        expect *= dim
+    return True
+
+
+def _view(buf, path=None) -> _View:
+    """Address, size, device and producer stream of a GPU buffer."""
+    t = sys.modules.get("torch")
+    if t is not None and isinstance(buf, t.Tensor):
+        if not buf.is_cuda:
+            raise TypeError(f"{buf.device} tensor is not GPU memory")
+        if not buf.is_contiguous():
+            raise BufferNotContiguousError(
+                22, "tensor is not contiguous (use .contiguous())", path)
+        dev = buf.device.index if buf.device.index is not None else t.cuda.current_device()
+        stream = t.cuda.current_stream(dev).cuda_stream
+        return _View(buf.data_ptr(), buf.numel() * buf.element_size(), dev, buf, stream)
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    if cai is not None:
+        ptr, ro = cai["data"]
+        shape = tuple(cai["shape"])
+        itemsize = int(cai["typestr"][2:])
+        if not _c_contiguous(shape, cai.get("strides"), itemsize):
+            raise BufferNotContiguousError(
+                22, "array is not C-contiguous (copy it first)", path)
+        n = itemsize
+        for d in shape:
+            n *= d
+        dev = _cuda.pointer_device(ptr) if ptr and n else 0
+        stream = cai.get("stream")
+        # v3: None = no synchronisation needed; 1 = legacy default; 2 = per-thread
+        return _View(ptr, n, dev, buf, 0 if stream in (None, 1) else stream, bool(ro))
+    if hasattr(buf, "__dlpack__"):
+        try:
+            cap = buf.__dlpack__(stream=None)
+        except TypeError:
+            cap = buf.__dlpack__()
+        ptr, n, dtype, dev, contig = _cuda.dlpack_view(cap)
+        if dtype not in (2, 13):
+            raise TypeError(f"DLPack device type {dtype} is not CUDA memory")
+        if not contig:
+            raise BufferNotContiguousError(
+                22, "DLPack tensor is not contiguous (copy it first)", path)
+        return _View(ptr, n, dev, (buf, cap), 0)
+    raise TypeError(f"{type(buf).__name__} is not GPU memory (need a CUDA tensor, "
+                    "__cuda_array_interface__ or DLPack)")
+
+
+def _stream_handle(stream, view: _View | None = None) -> int:
+    """A CUstream int from None / int / torch / cupy / __cuda_stream__ objects."""
+    if stream is None:
+        return int(view.stream) if view is not None and view.stream else 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        h = getattr(stream, attr, None)
+        if isinstance(h, int):
+            return h
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    raise TypeError(f"cannot use {type(stream).__name__} as a CUDA stream")
+
+
+# ---------------------------------------------------------------------------
+# Contexts (one per engine and device)
+# ---------------------------------------------------------------------------
+
+def context(engine=None, device: int = 0, **config):
+    """The staging context of ``engine`` (default: phx's default engine) on
+    ``device``, created on first use.  ``config`` (lanes, bufs_per_lane,
+    buf_size, max_io_size, hostfn_gate, fixed_bufs) applies when it is
+    created; pass ``_new=True`` to get a private one with these settings."""
+    _require()
+    if engine is None:
+        import phx
+        engine = phx.default_engine()
+    if config.pop("_new", False):
+        return _cuda.Context(engine, device, **config)
+    key = (id(engine), device)
+    with _lock:
+        ctx = _contexts.get(key)
+        if ctx is not None and (ctx.pid != os.getpid() or ctx._engine_ref() is not engine):
+            _contexts.pop(key, None)
+            ctx = None
+        if ctx is None:
+            ctx = _cuda.Context(engine, device, **config)
+            import weakref
+            try:
+                ref = weakref.ref(engine, lambda _r, k=key: _drop(k))
+            except TypeError:
+                ref = (lambda e=engine: e)
+            _contexts[key] = _Holder(ctx, ref)
+            return ctx
+        return ctx.ctx
+
+
+class _Holder:
+    __slots__ = ("ctx", "_engine_ref")
+
+    def __init__(self, ctx, ref):
+        self.ctx, self._engine_ref = ctx, ref
+
+    @property
+    def pid(self):
+        return self.ctx.pid
+
+
+def _drop(key) -> None:
+    with _lock:
+        h = _contexts.pop(key, None)
+    if h is not None:
+        h.ctx.close()
+
+
+def _ctx_for(file, view: _View):
+    return context(file.engine, view.device)
+
+
+# ---------------------------------------------------------------------------
+# Futures
+# ---------------------------------------------------------------------------
+
+class GPUFuture:
+    """Completion of a host-async GPU request: ``result()`` and ``done()``."""
+
+    __slots__ = ("_h", "_res")
+
+    def __init__(self, h):
+        self._h = h
+        self._res = None
+
+    def done(self) -> bool:
+        return self._h.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Bytes moved (short at end of file); raises the request's OSError."""
+        if self._res is None:
+            self._res = self._h.wait(timeout)
+        return self._h.check(self._res)
+
+    def by_path(self) -> dict:
+        """Bytes moved by path (direct / bounce / page_cache) once done."""
+        return self._h.by_path
+
+
+class StreamOp:
+    """A stream-ordered request.  ``bytes_done`` is valid once the stream has
+    passed it (e.g. after ``stream.synchronize()``); ``result()`` waits on the
+    host side and returns it, raising on error."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, h):
+        self._h = h
+
+    @property
+    def bytes_done(self) -> int:
+        return self._h.raw_result
+
+    def done(self) -> bool:
+        return self._h.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        return self._h.check(self._h.wait(timeout))
+
+    def by_path(self) -> dict:
+        return self._h.by_path
+
+
+def _prune() -> None:
+    while _pending and _pending[0].done():
+        _pending.popleft()
+
+
+def _submit(file, buf, offset, write, stream_mode, stream=None):
+    _require()
+    if offset < 0:
+        raise OSError(22, "negative offset", getattr(file, "path", None))
+    view = _view(buf, getattr(file, "path", None))
+    if not write and view.readonly:
+        raise BufferReadOnlyError(22, "cannot read into a read-only GPU buffer",
+                                  getattr(file, "path", None))
+    ctx = _ctx_for(file, view)
+    if stream_mode:
+        h = ctx.submit_stream(file._c_file, view.ptr, view.nbytes, offset, write,
+                              _stream_handle(stream, view), keep=(view.keep, file),
+                              path=file.path)
+        _prune()
+        _pending.append(h)
+        return h
+    return ctx.submit(file._c_file, view.ptr, view.nbytes, offset, write,
+                      keep=(view.keep, file), path=file.path,
+                      after_stream=_stream_handle(stream, view))
+
+
+# ---------------------------------------------------------------------------
+# The calls File routes here
+# ---------------------------------------------------------------------------
+
+def pread(file, buf, offset: int = 0) -> int:
+    """Read ``buf``'s size at ``offset`` into GPU memory; bytes read (short at EOF)."""
+    return GPUFuture(_submit(file, buf, offset, False, False)).result()
+
+
+def pwrite(file, buf, offset: int = 0) -> int:
+    """Write the GPU buffer at ``offset``; bytes written."""
+    return GPUFuture(_submit(file, buf, offset, True, False)).result()
+
+
+def pread_async(file, buf, offset: int = 0) -> GPUFuture:
+    return GPUFuture(_submit(file, buf, offset, False, False))
+
+
+def pwrite_async(file, buf, offset: int = 0) -> GPUFuture:
+    return GPUFuture(_submit(file, buf, offset, True, False))
+
+
+def pread_batch(file, reqs) -> list[int]:
+    """Read ``[(gpu_buf, offset), ...]``: all queued at once, then waited for."""
+    futs = [pread_async(file, b, o) for b, o in reqs]
+    return [f.result() for f in futs]
+
+
+def pwrite_batch(file, reqs) -> list[int]:
+    futs = [pwrite_async(file, b, o) for b, o in reqs]
+    return [f.result() for f in futs]
+
+
+# ---------------------------------------------------------------------------
+# Stream-ordered (cuFile-style)
+# ---------------------------------------------------------------------------
+
+def read_async(buf, file, offset: int = 0, stream=None) -> StreamOp:
+    """Queue a read of ``buf``'s size at ``offset`` on ``stream`` (default:
+    torch's current stream for torch tensors, else the legacy default
+    stream).  Kernels queued on the stream afterwards see the data."""
+    return StreamOp(_submit(file, buf, offset, False, True, stream))
+
+
+def write_async(buf, file, offset: int = 0, stream=None) -> StreamOp:
+    """Queue a write of ``buf`` at ``offset`` on ``stream``: it sends what the
+    kernels queued before it produced; later stream work runs once the bytes
+    are in the file."""
+    return StreamOp(_submit(file, buf, offset, True, True, stream))
+
+
+# ---------------------------------------------------------------------------
+# Counters
+# ---------------------------------------------------------------------------
+
+def stats(engine=None, device: int | None = None) -> dict[str, int]:
+    """GPU counters summed over the contexts of ``engine`` (all engines if None)."""
+    out: dict[str, int] = {}
+    with _lock:
+        items = list(_contexts.items())
+    for (eid, dev), h in items:
+        if engine is not None and eid != id(engine):
+            continue
+        if device is not None and dev != device:
+            continue
+        for k, v in h.ctx.stats().items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def engine_stats(engine) -> dict[str, int]:
+    """``gpu_``-prefixed counters for ``engine.stats()``; {} when it never did GPU I/O."""
+    if _cuda is None:
+        return {}
+    return {f"gpu_{k}": v for k, v in stats(engine).items()}

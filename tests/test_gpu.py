@@ -1,0 +1,374 @@
+"""GPU tensors in and out (phx.gpu): byte equality, ordering, lifetimes.
+
+Every GPU test skips cleanly without torch, a CUDA device or phx's GPU
+module; on the H200 box they all run.  Data is fresh random bytes (never
+zeros); references come from plain buffered reads/writes of the file.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import phx
+import phx.gpu
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+torch = pytest.importorskip("torch")
+_ok, _why = phx.gpu.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (_ok and torch.cuda.is_available()),
+                       reason=f"no usable GPU: {_why}"),
+]
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def rand(rng, n: int) -> np.ndarray:
+    a = rng.integers(0, 256, size=n, dtype=np.uint8)
+    if n > 1 and (a == a[0]).all():
+        a[-1] ^= 0xFF
+    return a
+
+
+def make(data_dir, rng, size: int, name="f.bin"):
+    path = os.path.join(data_dir, name)
+    data = rand(rng, size)
+    data.tofile(path)
+    return path, data
+
+
+def gpu_poison(n: int, value: int = 0xA5):
+    return torch.full((n,), value, dtype=torch.uint8, device="cuda")
+
+
+def host(t) -> np.ndarray:
+    torch.cuda.synchronize()
+    return t.cpu().numpy()
+
+
+def file_bytes(path, off=0, n=None) -> np.ndarray:
+    with open(path, "rb") as f:
+        f.seek(off)
+        b = f.read() if n is None else f.read(n)
+    return np.frombuffer(b, dtype=np.uint8)
+
+
+def assert_same(a: np.ndarray, b: np.ndarray, what="data"):
+    assert a.shape == b.shape, f"{what}: {a.shape} vs {b.shape}"
+    if not np.array_equal(a, b):
+        bad = np.flatnonzero(a != b)
+        raise AssertionError(f"{what}: {bad.size} bytes differ, first at {bad[0]} "
+                             f"(got {a[bad[0]]:#x}, want {b[bad[0]]:#x})")
+
+
+# ---------------------------------------------------------------------------
+# reads and writes of every size and alignment
+# ---------------------------------------------------------------------------
+
+SIZES = [1, 7, 4095, 4096, 4097, 65536 + 3, MiB, 4 * MiB + 5, 33 * MiB + 123]
+OFFSETS = [0, 1, 4095, 12345 * 7]
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory):
+    """1 GiB + 1 MiB + 17 bytes of random data on the test disk."""
+    d = os.environ.get("PHX_TEST_DIR") or str(tmp_path_factory.mktemp("gpu"))
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+    path = os.path.join(d, "big.bin")
+    data = rand(rng, GiB + MiB + 17)
+    data.tofile(path)
+    yield path, data
+    os.unlink(path)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("off", OFFSETS)
+def test_read_sizes_offsets(big_file, size, off):
+    path, data = big_file
+    t = gpu_poison(size)
+    with phx.open(path, "r") as f:
+        assert f.pread(t, off) == size
+    assert_same(host(t), data[off:off + size], f"read {size} at {off}")
+
+
+@pytest.mark.parametrize("off", [0, 1])
+def test_read_1gib(big_file, off):
+    path, data = big_file
+    t = gpu_poison(GiB)
+    with phx.open(path, "r") as f:
+        assert f.pread(t, off) == GiB
+    assert_same(host(t), data[off:off + GiB], f"1 GiB at {off}")
+    del t
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("size", SIZES + [GiB])
+def test_write_sizes_offsets(data_dir, rng, size):
+    off = 4096 * 3 + 1 if size % 2 else 8192
+    path, old = make(data_dir, rng, off + size + 5000, "w.bin")
+    src = torch.from_numpy(rand(rng, size)).cuda()
+    with phx.open(path, "r+") as f:
+        assert f.pwrite(src, off) == size
+    got = file_bytes(path)
+    want = old.copy()
+    want[off:off + size] = host(src)
+    assert_same(got, want, f"write {size} at {off} (and the bytes around it)")
+
+
+def test_write_extends_file(data_dir, rng):
+    path = os.path.join(data_dir, "new.bin")
+    src = torch.from_numpy(rand(rng, 5 * MiB + 333)).cuda()
+    with phx.open(path, "w") as f:
+        assert f.pwrite(src, 777) == src.numel()
+    assert os.path.getsize(path) == 777 + src.numel()
+    assert_same(file_bytes(path, 777), host(src))
+
+
+def test_read_at_eof_is_short_and_leaves_the_rest(data_dir, rng):
+    path, data = make(data_dir, rng, 3 * MiB + 100)
+    t = gpu_poison(2 * MiB)
+    with phx.open(path, "r") as f:
+        assert f.pread(t, 2 * MiB) == MiB + 100
+        assert f.pread(t[:10], len(data) + 5) == 0
+    got = host(t)
+    assert_same(got[:MiB + 100], data[2 * MiB:])
+    assert (got[MiB + 100:] == 0xA5).all(), "bytes past end of file were written"
+
+
+def test_slice_at_nonzero_offset(big_file):
+    path, data = big_file
+    big = gpu_poison(16 * MiB, 0x3C)
+    view = big[12345:12345 + 9 * MiB + 1]
+    assert view.data_ptr() != big.data_ptr()
+    with phx.open(path, "r") as f:
+        assert f.pread(view, 4097) == view.numel()
+    got = host(big)
+    assert_same(got[12345:12345 + view.numel()], data[4097:4097 + view.numel()])
+    assert (got[:12345] == 0x3C).all() and (got[12345 + view.numel():] == 0x3C).all()
+
+
+def test_typed_tensor_and_2d(big_file):
+    path, data = big_file
+    t = torch.empty((257, 1031), dtype=torch.float16, device="cuda")
+    with phx.open(path, "r") as f:
+        assert f.pread(t, 99) == t.numel() * 2
+    assert_same(host(t.view(torch.uint8).flatten()), data[99:99 + t.numel() * 2])
+
+
+def test_non_contiguous_is_refused(big_file):
+    path, _ = big_file
+    t = torch.empty((64, 64), dtype=torch.uint8, device="cuda")
+    with phx.open(path, "r") as f:
+        with pytest.raises(phx.BufferNotContiguousError):
+            f.pread(t[:, ::2], 0)
+        with pytest.raises(phx.BufferNotContiguousError):
+            f.pread(t.t(), 0)
+
+
+def test_concurrent_threads_disjoint_slices(big_file):
+    path, data = big_file
+    n, part = 8, 8 * MiB + 4099
+    t = gpu_poison(n * part)
+    errors = []
+    with phx.open(path, "r") as f:
+        def work(i):
+            try:
+                for _ in range(3):
+                    assert f.pread(t[i * part:(i + 1) * part], 1 + i * part) == part
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+        th = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+        for x in th:
+            x.start()
+        for x in th:
+            x.join()
+    assert not errors, errors
+    assert_same(host(t), data[1:1 + n * part])
+
+
+def test_async_futures_and_batch(big_file):
+    path, data = big_file
+    ts = [gpu_poison(3 * MiB + i) for i in range(6)]
+    with phx.open(path, "r") as f:
+        futs = [f.pread_async(t, 1000 * i + i) for i, t in enumerate(ts)]
+        assert [fu.result() for fu in futs] == [t.numel() for t in ts]
+        assert all(fu.done() for fu in futs)
+        assert phx.gpu.pread_batch(f, [(ts[0], 5), (ts[1], 6)]) == [ts[0].numel(), ts[1].numel()]
+    assert_same(host(ts[0]), data[5:5 + ts[0].numel()])
+    assert_same(host(ts[1]), data[6:6 + ts[1].numel()])
+    for i, t in enumerate(ts[2:], 2):
+        assert_same(host(t), data[1000 * i + i:1000 * i + i + t.numel()])
+
+
+def test_free_and_reuse_after_completion(big_file):
+    path, data = big_file
+    with phx.open(path, "r") as f:
+        for i in range(12):
+            t = gpu_poison(5 * MiB + i)
+            fu = f.pread_async(t, i * 3)
+            assert fu.result() == t.numel()
+            assert_same(host(t), data[i * 3:i * 3 + t.numel()])
+            del t, fu
+            torch.cuda.empty_cache()
+        # stream op whose tensor is dropped at once: the op keeps it alive
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            t = gpu_poison(32 * MiB)
+            op = phx.gpu.read_async(t, f, 7)
+            check = t[:4096].clone()
+            del t
+        s.synchronize()
+        assert op.result() == 32 * MiB
+        assert_same(host(check), data[7:7 + 4096])
+        u = gpu_poison(32 * MiB, 0x11)  # may reuse the freed block
+        s.synchronize()
+        assert (host(u) == 0x11).all()
+
+
+# ---------------------------------------------------------------------------
+# stream ordering
+# ---------------------------------------------------------------------------
+
+def _sleep(ms: float):
+    torch.cuda._sleep(int(ms * 2e6))  # ~2 GHz cycles
+
+
+@pytest.mark.parametrize("gate", ["memops", "hostfn"])
+def test_stream_read_then_kernel(big_file, gate):
+    path, data = big_file
+    ctx = phx.gpu.context(_new=True, hostfn_gate=(gate == "hostfn"))
+    n = 64 * MiB + 3
+    s = torch.cuda.Stream()
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    with phx.open(path, "r") as f:
+        with torch.cuda.stream(s):
+            _sleep(50)                     # the stream is busy for a while...
+            x.fill_(0x77)                  # ...then a kernel writes x
+            h = ctx.submit_stream(f._c_file, x.data_ptr(), n, 4096 + 5, False,
+                                  s.cuda_stream, keep=x)
+            y = x.clone()                  # a kernel that consumes the read
+            z = (x.to(torch.int64).sum())  # and another
+        s.synchronize()
+        assert h.raw_result == n
+        h.wait()
+    want = data[4101:4101 + n]
+    assert_same(host(y), want, "kernel after the read")
+    assert int(z.item()) == int(want.astype(np.int64).sum())
+    assert ctx.config["memops"] == (gate == "memops")
+    ctx.close()
+
+
+@pytest.mark.parametrize("gate", ["memops", "hostfn"])
+def test_stream_kernel_then_write(data_dir, rng, gate):
+    ctx = phx.gpu.context(_new=True, hostfn_gate=(gate == "hostfn"))
+    n = 48 * MiB + 77
+    path, _ = make(data_dir, rng, n + 8192)
+    src = torch.from_numpy(rand(rng, n)).cuda()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    x = torch.full((n,), 0x55, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with phx.open(path, "r+") as f:
+        with torch.cuda.stream(s):
+            _sleep(50)
+            x.copy_(src)                   # produced just before the write
+            h = ctx.submit_stream(f._c_file, x.data_ptr(), n, 3, True,
+                                  s.cuda_stream, keep=x)
+            x.fill_(0x99)                  # overwritten right after it
+        s.synchronize()
+        assert h.wait() == n
+    assert_same(file_bytes(path, 3, n), host(src), "the write saw the kernel's output")
+    ctx.close()
+
+
+def test_stream_write_then_read_same_stream(data_dir, rng):
+    n = 20 * MiB + 1
+    path, _ = make(data_dir, rng, n + 4096)
+    a = torch.from_numpy(rand(rng, n)).cuda()
+    b = gpu_poison(n)
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with phx.open(path, "r+") as f:
+        with torch.cuda.stream(s):
+            w = phx.gpu.write_async(a, f, 11)
+            r = phx.gpu.read_async(b, f, 11)
+            c = b.clone()
+        s.synchronize()
+        assert w.bytes_done == n and r.bytes_done == n
+        assert w.result() == n and r.result() == n
+    assert_same(host(c), host(a), "read after write on one stream")
+
+
+def test_stream_default_stream_and_errors(big_file, data_dir):
+    path, data = big_file
+    t = gpu_poison(MiB)
+    with phx.open(path, "r") as f:
+        op = phx.gpu.read_async(t, f, 1)         # torch's current (default) stream
+        torch.cuda.current_stream().synchronize()
+        assert op.bytes_done == MiB
+    assert_same(host(t), data[1:1 + MiB])
+    ro = os.path.join(data_dir, "ro.bin")
+    open(ro, "wb").write(b"x" * 8192)
+    with phx.open(ro, "r") as f:
+        with pytest.raises(OSError):
+            f.pwrite(t, 0)
+
+
+# ---------------------------------------------------------------------------
+# other GPU buffer kinds, paths and counters
+# ---------------------------------------------------------------------------
+
+def test_cupy_and_dlpack(big_file):
+    path, data = big_file
+    cp = pytest.importorskip("cupy")
+    a = cp.zeros(3 * MiB + 9, dtype=cp.uint8)
+    with phx.open(path, "r") as f:
+        assert phx.gpu.is_device_buffer(a)
+        assert f.pread(a, 17) == a.size
+        assert_same(cp.asnumpy(a), data[17:17 + a.size], "cupy")
+
+        class OnlyDLPack:
+            def __init__(self, t):
+                self.t = t
+
+            def __dlpack__(self, stream=None):
+                return self.t.__dlpack__()
+
+            def __dlpack_device__(self):
+                return self.t.__dlpack_device__()
+
+        t = gpu_poison(MiB + 1)
+        assert phx.gpu.is_device_buffer(OnlyDLPack(t))
+        assert f.pread(OnlyDLPack(t), 29) == t.numel()
+    assert_same(host(t), data[29:29 + t.numel()], "dlpack")
+
+
+def test_paths_and_counters(data_dir, rng):
+    path, data = make(data_dir, rng, 8 * MiB + 1)
+    t = gpu_poison(4 * MiB)
+    eng = phx.Engine()
+    with phx.open(path, "r+", engine=eng) as f:
+        fu = f.pread_async(t, 0)
+        assert fu.result() == 4 * MiB
+        bp = fu.by_path()
+        assert bp["direct"] == 4 * MiB and bp["bounce"] == 0
+        w = f.pwrite_async(t[:MiB + 3], 5)          # unaligned: bounced edges
+        assert w.result() == MiB + 3
+        assert w.by_path()["bounce"] > 0 and w.by_path()["direct"] > 0
+    st = phx.gpu.stats(eng)
+    assert st["bytes_read"] == 4 * MiB and st["bytes_written"] == MiB + 3
+    assert st["direct_bytes"] >= 4 * MiB and st["h2d_bytes"] == 4 * MiB
+    assert st["fixed_buf_ios"] > 0, "staging buffers were not io_uring fixed buffers"
+    with phx.open(path, "r", direct=False, engine=eng) as f:
+        fu = f.pread_async(t, 1)
+        assert fu.result() == 4 * MiB
+        assert fu.by_path()["page_cache"] == 4 * MiB
+    assert phx.gpu.engine_stats(eng)["gpu_buffered_bytes"] == 4 * MiB
