@@ -168,8 +168,19 @@ static void engine_free(phx_engine *eng)
 	free(eng);
 }
 
+static int engine_create(const struct phx_engine_config *cfg, phx_engine **out);
+
+/* Public entry points that make system calls leave errno as they found it. */
 PHX_EXPORT int phx_engine_create(const struct phx_engine_config *cfg,
 				 phx_engine **out)
+{
+	int saved = errno, ret = engine_create(cfg, out);
+
+	errno = saved;
+	return ret;
+}
+
+static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 {
 	struct io_uring_params p;
 	phx_engine *eng;
@@ -271,7 +282,7 @@ PHX_EXPORT uint32_t phx_engine_features(const phx_engine *eng)
 
 PHX_EXPORT int phx_engine_eventfd(phx_engine *eng)
 {
-	int fd, ret;
+	int fd, ret, saved = errno;
 
 	pthread_mutex_lock(&eng->lock);
 	if (eng->efd >= 0) {
@@ -292,6 +303,7 @@ PHX_EXPORT int phx_engine_eventfd(phx_engine *eng)
 	eng->efd = fd;
 out:
 	pthread_mutex_unlock(&eng->lock);
+	errno = saved;
 	return fd;
 }
 
@@ -584,21 +596,28 @@ PHX_EXPORT void phx_io_prep(struct phx_io *io, phx_file *f, enum phx_op op,
 	io->offset = offset;
 }
 
+/*
+ * Start @n requests.  A request that is invalid on its own completes at
+ * once with -errno in its result; the others go ahead.
+ */
 static int submit_locked(phx_engine *eng, struct phx_io *const *ios, size_t n,
 			 bool async)
 {
 	size_t i;
 	int ret;
 
+	for (i = 0; i < n; i++)
+		if (!ios[i])
+			return phx_err(-EINVAL, "request %zu is NULL", i);
 	for (i = 0; i < n; i++) {
 		ret = io_validate(ios[i]);
+		if (!ret && ios[i]->file->eng != eng)
+			ret = phx_err(-EINVAL, "request %zu: file belongs to another engine", i);
 		if (ret)
-			return ret;
-		if (ios[i]->file->eng != eng)
-			return phx_err(-EINVAL, "request %zu: file belongs to another engine", i);
+			io_fail(eng, ios[i], ret, async);
+		else
+			io_start(eng, ios[i], async);
 	}
-	for (i = 0; i < n; i++)
-		io_start(eng, ios[i], async);
 	io_fill(eng);
 	engine_submit_locked(eng);
 	return 0;

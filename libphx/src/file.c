@@ -97,8 +97,20 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 	return 0;
 }
 
+static int file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
+		     uint32_t phx_flags, phx_file **out);
+
 PHX_EXPORT int phx_file_open(phx_engine *eng, const char *path, int flags,
 			     mode_t mode, uint32_t phx_flags, phx_file **out)
+{
+	int saved = errno, ret = file_open(eng, path, flags, mode, phx_flags, out);
+
+	errno = saved;
+	return ret;
+}
+
+static int file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
+		     uint32_t phx_flags, phx_file **out)
 {
 	int fd, ret;
 
@@ -141,9 +153,13 @@ PHX_EXPORT int phx_file_open(phx_engine *eng, const char *path, int flags,
 
 PHX_EXPORT int phx_file_from_fd(phx_engine *eng, int fd, phx_file **out)
 {
+	int saved = errno, ret;
+
 	if (!eng || !out || fd < 0)
 		return phx_err(-EINVAL, "phx_file_from_fd: bad argument");
-	return file_attach(eng, fd, false, -1, out);
+	ret = file_attach(eng, fd, false, -1, out);
+	errno = saved;
+	return ret;
 }
 
 static void file_free(phx_engine *eng, phx_file *f)
@@ -165,16 +181,19 @@ static void file_free(phx_engine *eng, phx_file *f)
 PHX_EXPORT int phx_file_close(phx_file *f)
 {
 	phx_engine *eng;
+	int saved;
 
 	if (!f)
-		return 0;
+		return phx_err(-EBADF, "phx_file_close: NULL file");
 	eng = f->eng;
 	pthread_mutex_lock(&eng->lock);
 	if (f->refs) {
 		pthread_mutex_unlock(&eng->lock);
 		return phx_err(-EBUSY, "file has %u requests in flight", f->refs);
 	}
+	saved = errno;
 	file_free(eng, f);
+	errno = saved;
 	pthread_mutex_unlock(&eng->lock);
 	return 0;
 }

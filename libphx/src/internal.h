@@ -57,8 +57,10 @@ struct phx_file {
 	int open_flags;
 	uint32_t refs;		/* requests queued or in flight */
 	uint32_t writes;	/* write requests queued or in flight */
-	uint64_t pad_end;	/* padded writes since the file last settled: */
-	uint64_t pad_target;	/* the size they left, the size it should be */
+	/* Since the file's writes last settled (see file_settle()): */
+	uint64_t pad_end;	/* furthest block end a padded write reached */
+	uint64_t base_size;	/* file size the first padded write found */
+	uint64_t wend;		/* furthest end of any write */
 	struct phx_file *next;	/* engine's list of open files */
 };
 
@@ -143,6 +145,7 @@ int phx_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)))
 /* io.c: request life cycle (lock held) */
 int io_validate(struct phx_io *io);
 void io_start(phx_engine *eng, struct phx_io *io, bool async);
+void io_fail(phx_engine *eng, struct phx_io *io, int err, bool async);
 void io_fill(phx_engine *eng);
 void io_complete_cqe(phx_engine *eng, struct chunk *c, int res);
 

@@ -68,6 +68,7 @@ static enum io_mode io_choose_mode(struct phx_io *io, struct io_priv *p)
 }
 
 static void io_finish(phx_engine *eng, struct phx_io *io);
+static void io_publish(phx_engine *eng, struct phx_io *io, int64_t result);
 
 void io_start(phx_engine *eng, struct phx_io *io, bool async)
 {
@@ -84,8 +85,11 @@ void io_start(phx_engine *eng, struct phx_io *io, bool async)
 	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
 	p->mode = io_choose_mode(io, p);
 	io->file->refs++;
-	if (io->op == PHX_OP_WRITE)
+	if (io->op == PHX_OP_WRITE) {
 		io->file->writes++;
+		if (p->end > io->file->wend)
+			io->file->wend = p->end;
+	}
 	if (!io->len) {
 		io_finish(eng, io);
 		return;
@@ -320,7 +324,7 @@ static void rmw_merge(phx_engine *eng, struct chunk *c)
 {
 	struct phx_io *io = c->io;
 	phx_file *f = io->file;
-	uint64_t valid = c->done, uend = c->user_off + c->user_len;
+	uint64_t valid = c->done;
 
 	if (valid < c->dev_len) {
 		/*
@@ -328,10 +332,8 @@ static void rmw_merge(phx_engine *eng, struct chunk *c)
 		 * the file back once its writes have settled (file_settle()).
 		 */
 		memset(c->mem + valid, 0, c->dev_len - valid);
-		if (c->dev_off + valid > f->pad_target)
-			f->pad_target = c->dev_off + valid;
-		if (uend > f->pad_target)
-			f->pad_target = uend;
+		if (!f->pad_end)
+			f->base_size = c->dev_off + valid;
 		if (c->dev_off + c->dev_len > f->pad_end)
 			f->pad_end = c->dev_off + c->dev_len;
 	}
@@ -436,21 +438,23 @@ void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
 }
 
 /*
- * Padded partial-block writes left the file longer than written: once no
- * write on it is in flight, cut it back - unless something wrote further.
+ * Padded partial-block writes left the file longer than written.  Once no
+ * write on it is in flight, cut it back to what a series of pwrite(2)s
+ * would have left - unless something else has written further since.
  */
 static int file_settle(phx_file *f)
 {
+	uint64_t target = f->base_size > f->wend ? f->base_size : f->wend;
 	struct stat st;
-	int ret = 0;
+	int ret = 0, saved = errno;
 
 	if (fstat(f->fd, &st))
 		ret = -errno;
-	else if ((uint64_t)st.st_size == f->pad_end &&
-		 ftruncate(f->fd, (off_t)f->pad_target))
+	else if ((uint64_t)st.st_size == f->pad_end && f->pad_end > target &&
+		 ftruncate(f->fd, (off_t)target))
 		ret = -errno;
 	f->pad_end = 0;
-	f->pad_target = 0;
+	errno = saved;
 	return ret;
 }
 
@@ -459,9 +463,10 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 	struct io_priv *p = io_priv(io);
 	int64_t result;
 
-	if (io->op == PHX_OP_WRITE && !--io->file->writes && io->file->pad_end) {
-		int ret = file_settle(io->file);
+	if (io->op == PHX_OP_WRITE && !--io->file->writes) {
+		int ret = io->file->pad_end ? file_settle(io->file) : 0;
 
+		io->file->wend = 0;
 		if (ret && !p->err)
 			p->err = ret;
 	}
@@ -482,6 +487,14 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 	if (io->paths & PHX_PATH_BOUNCE)
 		eng->st.bounce_ios++;
 	io->file->refs--;
+	io_publish(eng, io, result);
+}
+
+/* Hand a finished request to whoever waits for it. */
+static void io_publish(phx_engine *eng, struct phx_io *io, int64_t result)
+{
+	struct io_priv *p = io_priv(io);
+
 	io->result = result;
 	if (p->pollable) {
 		p->next = NULL;
@@ -495,4 +508,17 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 		engine_notify(eng);
 	/* Last: a waiter may free the request as soon as it sees this. */
 	__atomic_store_n(&io->done, 1, __ATOMIC_RELEASE);
+}
+
+/* A request refused before it started: complete it with @err. */
+void io_fail(phx_engine *eng, struct phx_io *io, int err, bool async)
+{
+	struct io_priv *p = io_priv(io);
+
+	memset(p, 0, sizeof(*p));
+	io->paths = 0;
+	p->async = async;
+	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
+	eng->st.errors++;
+	io_publish(eng, io, err);
 }
