@@ -219,19 +219,56 @@ static void phx_p2p_destroy(struct phx_reg *reg)
 }
 #endif /* CONFIG_PCI_P2PDMA */
 
+/*
+ * memremap_pages() WARNs on a range that already has a pagemap; a user must
+ * never get there.  Refuse ranges with a pagemap (ours or anyone's).
+ */
+static bool phx_mem_range_busy(const struct range *r)
+{
+	u64 a;
+
+	for (a = r->start; a < r->end; a += PHX_REG_ALIGN) {
+		struct dev_pagemap *pgmap = get_dev_pagemap(PHYS_PFN(a), NULL);
+
+		if (pgmap) {
+			put_dev_pagemap(pgmap);
+			return true;
+		}
+	}
+	return false;
+}
+
+static DEFINE_MUTEX(phx_mem_lock);
+
 /**
  * phx_mem_create - create the struct pages of @reg.
  * @reg: ranges, pdev and bar filled by the provider.
  *
- * Return: 0 (reg->mode says which kind) or -errno.
+ * Return: 0 (reg->mode says which kind), -EBUSY when part of the memory
+ * already has struct pages, or another -errno.
  */
 int phx_mem_create(struct phx_reg *reg)
 {
+	unsigned int i;
+	int ret;
+
+	mutex_lock(&phx_mem_lock);
+	for (i = 0; i < reg->nr_ranges; i++) {
+		if (phx_mem_range_busy(&reg->ranges[i])) {
+			ret = -EBUSY;
+			goto out;
+		}
+	}
 #ifdef CONFIG_PCI_P2PDMA
-	if (reg->pdev && reg->bar >= 0 && reg->nr_ranges == 1)
-		return phx_p2p_create(reg);
+	if (reg->pdev && reg->bar >= 0 && reg->nr_ranges == 1) {
+		ret = phx_p2p_create(reg);
+		goto out;
+	}
 #endif
-	return phx_generic_create(reg);
+	ret = phx_generic_create(reg);
+out:
+	mutex_unlock(&phx_mem_lock);
+	return ret;
 }
 
 /* Remove the pages of @reg; nobody may hold one any more. */

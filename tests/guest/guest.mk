@@ -1,0 +1,22 @@
+# Guest tests (QEMU TCG), included by the top Makefile.
+# The cache (kernels, initramfs, builds) lives outside the tree:
+# $(PHX_GUEST_CACHE), default ~/.cache/phx-guest.
+PHX_GUEST := $(PYTHON) tests/guest/phxguest.py
+PHX_GUEST_NVME ?= size=512M,lba=4096,mdts=7
+PHX_GUEST_IVSHMEM ?= 256M
+
+.PHONY: test-guest-phx test-guest-p2pdma
+
+# phx.ko on Debian's 6.12 kernel (MEMORY_DEVICE_GENERIC pages).
+test-guest-phx:
+	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel debian \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
+
+# The same suite on a kernel built with CONFIG_PCI_P2PDMA (MEMORY_DEVICE_PCI_P2PDMA
+# pages through pci_p2pdma_add_resource).  Builds the kernel once (~10 min on
+# 2 cores), cached afterwards.  Not part of test-guest: see docs/kernel.md.
+test-guest-p2pdma:
+	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel p2pdma \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
+
+test-guest:: test-guest-phx

@@ -1,0 +1,963 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Description: guest-side tests of phx.ko (and host-side checks of the
+ * ivshmem backing file).  One program, one sub-command per test; each
+ * prints "PHX-PASS <name>" / "PHX-FAIL <name>: why" lines and exits 0 when
+ * everything it ran passed, 1 otherwise, 77 when it cannot run here.
+ *
+ *   phx_io_test io BDF BAR REGOFF REGLEN DIR ENGINE   O_DIRECT byte checks
+ *   phx_io_test fillbar BDF BAR REGOFF REGLEN DIR OFF LEN SEED
+ *                    file of seeded data -> BAR (host checks the file)
+ *   phx_io_test checkbar BDF BAR REGOFF REGLEN DIR OFF LEN SEED
+ *                    BAR bytes the host seeded -> file -> compare
+ *   phx_io_test hostfill FILE OFF LEN SEED   (host) seed the backing file
+ *   phx_io_test hostcheck FILE OFF LEN SEED  (host) compare it
+ *   phx_io_test validate BDF BAR              every bad argument refused
+ *   phx_io_test garbage BDF BAR N             N random ioctls/mmaps
+ *   phx_io_test hold BDF BAR REGOFF REGLEN    register, map, sleep
+ *   phx_io_test busyio BDF BAR REGOFF REGLEN DIR   I/O until killed
+ *   phx_io_test unreg BDF BAR REGOFF REGLEN DIR    unregister under I/O
+ *   phx_io_test fork BDF BAR REGOFF REGLEN    the child has no mapping
+ *   phx_io_test info                          print PHX_IOC_INFO
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <liburing.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../../kernel/include/uapi/phx_uapi.h"
+
+static int failures;
+
+#define PASS(...) do { printf("PHX-PASS "); printf(__VA_ARGS__); \
+	printf("\n"); fflush(stdout); } while (0)
+#define FAIL(...) do { printf("PHX-FAIL "); printf(__VA_ARGS__); \
+	printf("\n"); fflush(stdout); failures++; } while (0)
+
+/* ---- seeded data: xorshift64, 8 bytes little-endian per step ---- */
+
+static uint64_t seeded_word(uint64_t seed, uint64_t w)
+{
+	uint64_t x = (seed ^ w) * 0x9E3779B97F4A7C15ULL;
+
+	x ^= x >> 29;
+	x *= 0xBF58476D1CE4E5B9ULL;
+	x ^= x >> 32;
+	return x;
+}
+
+/* Byte i of the stream (seed) sits at stream position pos + i. */
+static void seeded(uint8_t *p, size_t len, uint64_t seed, uint64_t pos)
+{
+	size_t i = 0;
+
+	if (!(pos & 7) && !((uintptr_t)p & 7)) {
+		for (; i + 8 <= len; i += 8) {
+			uint64_t x = seeded_word(seed, (pos + i) >> 3);
+
+			memcpy(p + i, &x, 8);	/* little-endian host */
+		}
+	}
+	for (; i < len; i++)
+		p[i] = (uint8_t)(seeded_word(seed, (pos + i) >> 3) >>
+				 (((pos + i) & 7) * 8));
+}
+
+static void *xalloc(size_t len)
+{
+	void *p;
+
+	if (posix_memalign(&p, 4096, len ? len : 4096)) {
+		perror("posix_memalign");
+		exit(1);
+	}
+	return p;
+}
+
+static int first_diff(const uint8_t *a, const uint8_t *b, size_t len)
+{
+	size_t i;
+
+	for (i = 0; i < len; i++)
+		if (a[i] != b[i])
+			return (int)(i < 0x7fffffff ? i : 0x7fffffff);
+	return -1;
+}
+
+/* ---- /dev/phx ---- */
+
+struct bdf { unsigned int dom, bus, dev, fn; };
+
+static int parse_bdf(const char *s, struct bdf *b)
+{
+	return sscanf(s, "%x:%x:%x.%x", &b->dom, &b->bus, &b->dev, &b->fn) == 4
+		? 0 : -1;
+}
+
+static int phx_open(void)
+{
+	int fd = open(PHX_DEVICE_PATH, O_RDWR | O_CLOEXEC);
+
+	if (fd < 0) {
+		printf("PHX-SKIP cannot open %s: %s\n", PHX_DEVICE_PATH,
+		       strerror(errno));
+		exit(77);
+	}
+	return fd;
+}
+
+static void reg_init(struct phx_register *r, const struct bdf *b, int bar,
+		     uint64_t off, uint64_t len)
+{
+	memset(r, 0, sizeof(*r));
+	r->abi_version = PHX_ABI_VERSION;
+	r->provider = PHX_PROV_PCIBAR;
+	r->pci_domain = b->dom;
+	r->pci_bus = b->bus;
+	r->pci_devfn = (b->dev << 3) | b->fn;
+	r->pci_bar = bar;
+	r->offset = off;
+	r->length = len;
+}
+
+/* register + mmap; returns the mapping, fills *reg */
+static uint8_t *phx_map(int fd, const struct bdf *b, int bar, uint64_t off,
+			uint64_t len, struct phx_register *reg)
+{
+	void *p;
+
+	reg_init(reg, b, bar, off, len);
+	if (ioctl(fd, PHX_IOC_REGISTER, reg)) {
+		printf("PHX-FAIL register %#" PRIx64 "+%#" PRIx64 ": %s\n",
+		       off, len, strerror(errno));
+		exit(1);
+	}
+	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+		 (off_t)reg->mmap_offset);
+	if (p == MAP_FAILED) {
+		printf("PHX-FAIL mmap: %s\n", strerror(errno));
+		exit(1);
+	}
+	return p;
+}
+
+static int phx_unreg(int fd, uint32_t handle)
+{
+	struct phx_unregister u = { .abi_version = PHX_ABI_VERSION,
+				    .handle = handle };
+
+	return ioctl(fd, PHX_IOC_UNREGISTER, &u) ? -errno : 0;
+}
+
+static int phx_info(int fd, struct phx_info *info)
+{
+	memset(info, 0, sizeof(*info));
+	info->abi_version = PHX_ABI_VERSION;
+	return ioctl(fd, PHX_IOC_INFO, info) ? -errno : 0;
+}
+
+/* ---- files ---- */
+
+/* A file of @len seeded bytes, written through the page cache, synced. */
+static void make_file(const char *path, size_t len, uint64_t seed)
+{
+	size_t chunk = 1 << 20, done;
+	uint8_t *buf = xalloc(chunk);
+	int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY, 0644);
+
+	if (fd < 0) {
+		perror(path);
+		exit(1);
+	}
+	for (done = 0; done < len; done += chunk) {
+		size_t n = len - done < chunk ? len - done : chunk;
+
+		seeded(buf, n, seed, done);
+		if (write(fd, buf, n) != (ssize_t)n) {
+			perror("write");
+			exit(1);
+		}
+	}
+	fsync(fd);
+	close(fd);
+	free(buf);
+}
+
+static void drop_caches(void)
+{
+	int fd = open("/proc/sys/vm/drop_caches", O_WRONLY);
+
+	if (fd >= 0) {
+		if (write(fd, "3", 1) < 0)
+			perror("drop_caches");
+		close(fd);
+	}
+}
+
+/* Read @len bytes at @off of @path into host memory (buffered, no phx). */
+static uint8_t *slurp(const char *path, off_t off, size_t len)
+{
+	uint8_t *buf = xalloc(len);
+	int fd = open(path, O_RDONLY);
+
+	if (fd < 0 || pread(fd, buf, len, off) != (ssize_t)len) {
+		perror("slurp");
+		exit(1);
+	}
+	close(fd);
+	return buf;
+}
+
+/* ---- one O_DIRECT transfer, pread/pwrite or io_uring ---- */
+
+static struct io_uring ring;
+static int ring_ok;
+
+static ssize_t xfer(int fd, void *buf, size_t len, off_t off, int write_,
+		    int uring)
+{
+	if (!uring)
+		return write_ ? pwrite(fd, buf, len, off) : pread(fd, buf, len, off);
+	{
+		struct io_uring_sqe *sqe;
+		struct io_uring_cqe *cqe;
+		ssize_t res;
+
+		if (!ring_ok) {
+			if (io_uring_queue_init(8, &ring, 0)) {
+				errno = ENOSYS;
+				return -1;
+			}
+			ring_ok = 1;
+		}
+		sqe = io_uring_get_sqe(&ring);
+		if (write_)
+			io_uring_prep_write(sqe, fd, buf, len, off);
+		else
+			io_uring_prep_read(sqe, fd, buf, len, off);
+		io_uring_submit(&ring);
+		if (io_uring_wait_cqe(&ring, &cqe)) {
+			errno = EIO;
+			return -1;
+		}
+		res = cqe->res;
+		io_uring_cqe_seen(&ring, cqe);
+		if (res < 0) {
+			errno = (int)-res;
+			return -1;
+		}
+		return res;
+	}
+}
+
+/*
+ * The core test: for several sizes, file offsets and offsets inside the
+ * mapping, O_DIRECT read a seeded file into the BAR and compare, then fill
+ * the BAR with new bytes, O_DIRECT write them to the file and compare what
+ * the file holds (read back through the page cache, into host memory).
+ */
+static int cmd_io(const struct bdf *b, int bar, uint64_t regoff, uint64_t reglen,
+		  const char *dir, const char *engine)
+{
+	static const size_t sizes[] = { 4096, 65536, 1 << 20, 8 << 20, 24 << 20 };
+	static const off_t foffs[] = { 0, 4096, 3 << 20 };
+	static const size_t boffs[] = { 0, 4096, 1 << 20 };
+	int uring = !strcmp(engine, "uring");
+	struct phx_register reg;
+	char path[512];
+	size_t fsize = 32 << 20;
+	uint8_t *map, *exp;
+	int fd = phx_open(), dfd;
+	unsigned int si, fi, bi, cases = 0;
+	uint64_t seed = 0x5eed0000 + (uring ? 1 : 0);
+
+	map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	snprintf(path, sizeof(path), "%s/phx-io-%s.dat", dir, engine);
+	make_file(path, fsize, seed);
+	drop_caches();
+	exp = xalloc(fsize);
+	dfd = open(path, O_RDWR | O_DIRECT);
+	if (dfd < 0) {
+		FAIL("io-%s open O_DIRECT %s: %s", engine, path, strerror(errno));
+		return 1;
+	}
+	for (si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++)
+	for (fi = 0; fi < sizeof(foffs) / sizeof(foffs[0]); fi++)
+	for (bi = 0; bi < sizeof(boffs) / sizeof(boffs[0]); bi++) {
+		size_t len = sizes[si], boff = boffs[bi];
+		off_t foff = foffs[fi];
+		ssize_t n;
+		int d;
+		uint8_t *file;
+
+		if (boff + len > reglen || foff + len > fsize)
+			continue;
+		cases++;
+		/* read: SSD -> BAR */
+		memset(map + boff, 0xA5, len);
+		n = xfer(dfd, map + boff, len, foff, 0, uring);
+		seeded(exp, len, seed, foff);
+		if (n != (ssize_t)len) {
+			FAIL("io-%s read len=%zu foff=%jd boff=%zu: %zd (%s)",
+			     engine, len, (intmax_t)foff, boff, n, strerror(errno));
+			continue;
+		}
+		d = first_diff(map + boff, exp, len);
+		if (d >= 0) {
+			FAIL("io-%s read len=%zu foff=%jd boff=%zu: byte %d differs",
+			     engine, len, (intmax_t)foff, boff, d);
+			continue;
+		}
+		/* write: BAR -> SSD, with new bytes */
+		seeded(map + boff, len, seed ^ 0xFFFF, foff);
+		n = xfer(dfd, map + boff, len, foff, 1, uring);
+		if (n != (ssize_t)len) {
+			FAIL("io-%s write len=%zu foff=%jd boff=%zu: %zd (%s)",
+			     engine, len, (intmax_t)foff, boff, n, strerror(errno));
+			continue;
+		}
+		drop_caches();
+		file = slurp(path, foff, len);
+		seeded(exp, len, seed ^ 0xFFFF, foff);
+		d = first_diff(file, exp, len);
+		free(file);
+		if (d >= 0) {
+			FAIL("io-%s write len=%zu foff=%jd boff=%zu: file byte %d differs",
+			     engine, len, (intmax_t)foff, boff, d);
+			continue;
+		}
+		/* restore the file for later cases */
+		seeded(exp, len, seed, foff);
+		if (pwrite(dfd, exp, len, foff) != (ssize_t)len)
+			FAIL("io-%s restore: %s", engine, strerror(errno));
+	}
+	close(dfd);
+	unlink(path);
+	munmap(map, reglen);
+	if (phx_unreg(fd, reg.handle))
+		FAIL("io-%s unregister", engine);
+	close(fd);
+	if (!failures)
+		PASS("io-%s (%u cases, mode %s, 4 KiB..24 MiB)", engine, cases,
+		     reg.mode == PHX_MODE_P2PDMA ? "P2PDMA" : "GENERIC");
+	return failures ? 1 : 0;
+}
+
+/* Seeded file -> O_DIRECT read into the BAR at @off; the host checks. */
+static int cmd_fillbar(const struct bdf *b, int bar, uint64_t regoff,
+		       uint64_t reglen, const char *dir, uint64_t off,
+		       uint64_t len, uint64_t seed)
+{
+	struct phx_register reg;
+	char path[512];
+	int fd = phx_open(), dfd;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	uint8_t *exp = xalloc(len);
+
+	snprintf(path, sizeof(path), "%s/phx-fill.dat", dir);
+	make_file(path, len, seed);
+	drop_caches();
+	dfd = open(path, O_RDONLY | O_DIRECT);
+	if (dfd < 0 || pread(dfd, map + off, len, 0) != (ssize_t)len) {
+		FAIL("fillbar pread: %s", strerror(errno));
+		return 1;
+	}
+	seeded(exp, len, seed, 0);
+	if (first_diff(map + off, exp, len) >= 0)
+		FAIL("fillbar guest compare");
+	else
+		PASS("fillbar %#" PRIx64 "+%#" PRIx64 " (guest compare)", off, len);
+	/* BAR offset of the bytes = regoff + off: the host checks there */
+	printf("PHX-HOSTCHECK %" PRIu64 " %" PRIu64 " %" PRIu64 "\n",
+	       regoff + off, len, seed);
+	close(dfd);
+	unlink(path);
+	return failures ? 1 : 0;
+}
+
+/* The host seeded BAR bytes before boot: O_DIRECT write them to a file. */
+static int cmd_checkbar(const struct bdf *b, int bar, uint64_t regoff,
+			uint64_t reglen, const char *dir, uint64_t off,
+			uint64_t len, uint64_t seed)
+{
+	struct phx_register reg;
+	char path[512];
+	int fd = phx_open(), dfd;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	uint8_t *exp = xalloc(len), *file;
+
+	snprintf(path, sizeof(path), "%s/phx-check.dat", dir);
+	dfd = open(path, O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT, 0644);
+	if (dfd < 0 || pwrite(dfd, map + off, len, 0) != (ssize_t)len) {
+		FAIL("checkbar pwrite: %s", strerror(errno));
+		return 1;
+	}
+	close(dfd);
+	drop_caches();
+	file = slurp(path, 0, len);
+	seeded(exp, len, seed, 0);
+	if (first_diff(file, exp, len) >= 0)
+		FAIL("checkbar: file differs from the host-seeded BAR bytes");
+	else
+		PASS("checkbar %#" PRIx64 "+%#" PRIx64 " (host-seeded BAR -> SSD)",
+		     off, len);
+	unlink(path);
+	return failures ? 1 : 0;
+}
+
+static int cmd_host(const char *file, uint64_t off, uint64_t len, uint64_t seed,
+		    int fill)
+{
+	uint8_t *exp = xalloc(len), *got;
+	int fd, d;
+
+	seeded(exp, len, seed, 0);
+	if (fill) {
+		fd = open(file, O_WRONLY);
+		if (fd < 0 || pwrite(fd, exp, len, off) != (ssize_t)len) {
+			perror("hostfill");
+			return 1;
+		}
+		close(fd);
+		return 0;
+	}
+	got = slurp(file, off, len);
+	d = first_diff(got, exp, len);
+	if (d >= 0) {
+		FAIL("hostcheck %s %#" PRIx64 "+%#" PRIx64 ": byte %d differs",
+		     file, off, len, d);
+		return 1;
+	}
+	PASS("hostcheck %#" PRIx64 "+%#" PRIx64 " of the ivshmem backing file",
+	     off, len);
+	return 0;
+}
+
+/* ---- argument validation ---- */
+
+static void expect_errno(const char *what, int ret, int want)
+{
+	if (ret == -1 && errno == want)
+		return;
+	FAIL("validate %s: got %d/%s, want %s", what, ret,
+	     ret ? strerror(errno) : "success", strerror(want));
+}
+
+static int cmd_validate(const struct bdf *b, int bar)
+{
+	int fd = phx_open();
+	struct phx_register r;
+	struct phx_unregister u;
+	struct phx_info info;
+	struct stat st;
+	void *p;
+	pid_t pid;
+	int status;
+
+#define BAD(field_stmt, want) do { reg_init(&r, b, bar, 0, 2 << 20); \
+	field_stmt; expect_errno(#field_stmt, ioctl(fd, PHX_IOC_REGISTER, &r), \
+				 want); } while (0)
+	BAD(r.abi_version = 0, EINVAL);
+	BAD(r.abi_version = 2, EINVAL);
+	BAD(r.provider = 0, EINVAL);
+	BAD(r.provider = 99, EINVAL);
+	BAD(r.flags = 1U << 31, EINVAL);
+	BAD(r.pad = 1, EINVAL);
+	BAD(r.reserved[3] = 1, EINVAL);
+	BAD(r.length = 0, EINVAL);
+	BAD(r.length = 4096, EINVAL);
+	BAD(r.offset = 4096, EINVAL);
+	BAD(r.length = 1ULL << 50, EINVAL);
+	BAD(r.offset = ~0ULL << 21, EINVAL);
+	BAD(r.offset = 1ULL << 40, EINVAL);
+	BAD(r.pci_bar = 6, EINVAL);
+	BAD(r.pci_bar = 255, EINVAL);
+	BAD(r.gpu_va = 1 << 21, EINVAL);
+	BAD(r.pci_bus = 0xfe, ENODEV);
+	BAD(r.pci_domain = 0x10000, EINVAL);
+	BAD(r.pci_bar = 0, EINVAL);	/* ivshmem BAR 0 is 256 bytes */
+	BAD((r.provider = PHX_PROV_NVIDIA, r.pci_bus = 0, r.pci_devfn = 0,
+	     r.pci_bar = 0, r.pci_domain = 0), ENODEV);
+#undef BAD
+	expect_errno("register NULL", ioctl(fd, PHX_IOC_REGISTER, NULL), EFAULT);
+	expect_errno("register bad ptr",
+		     ioctl(fd, PHX_IOC_REGISTER, (void *)0xffff880000000000ULL),
+		     EFAULT);
+	expect_errno("unknown ioctl", ioctl(fd, _IO(PHX_IOC_MAGIC, 0x42)), ENOTTY);
+	memset(&u, 0, sizeof(u));
+	u.abi_version = PHX_ABI_VERSION;
+	u.handle = 12345;
+	expect_errno("unregister unknown", ioctl(fd, PHX_IOC_UNREGISTER, &u), ENOENT);
+	u.flags = 1;
+	expect_errno("unregister flags", ioctl(fd, PHX_IOC_UNREGISTER, &u), EINVAL);
+	memset(&info, 0, sizeof(info));
+	expect_errno("info version 0", ioctl(fd, PHX_IOC_INFO, &info), EINVAL);
+
+	/* mmap misuse */
+	reg_init(&r, b, bar, 0, 2 << 20);
+	if (ioctl(fd, PHX_IOC_REGISTER, &r)) {
+		FAIL("validate register: %s", strerror(errno));
+		return 1;
+	}
+	if (r.mmap_offset < (1ULL << 40) || r.handle == 0)
+		FAIL("validate: odd handle/offset %u %#llx", r.handle,
+		     (unsigned long long)r.mmap_offset);
+	reg_init(&r, b, bar, 0, 2 << 20);
+	expect_errno("register same range twice",
+		     ioctl(fd, PHX_IOC_REGISTER, &r), EBUSY);
+	reg_init(&r, b, bar, 0, 2 << 20);
+	r.handle = 0;
+	/* re-fetch the first registration's values */
+	{
+		struct phx_register r0;
+
+		reg_init(&r0, b, bar, 2 << 20, 2 << 20);
+		if (ioctl(fd, PHX_IOC_REGISTER, &r0)) {
+			FAIL("validate second register: %s", strerror(errno));
+			return 1;
+		}
+		p = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd,
+			 (off_t)r0.mmap_offset);
+		expect_errno("mmap MAP_PRIVATE", p == MAP_FAILED ? -1 : 0, EINVAL);
+		p = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)r0.mmap_offset);
+		expect_errno("mmap too long", p == MAP_FAILED ? -1 : 0, EINVAL);
+		p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)(r0.mmap_offset + (2 << 20)));
+		expect_errno("mmap past end", p == MAP_FAILED ? -1 : 0, EINVAL);
+		p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)(999ULL << 40));
+		expect_errno("mmap unknown offset", p == MAP_FAILED ? -1 : 0, ENXIO);
+		p = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+		expect_errno("mmap offset 0", p == MAP_FAILED ? -1 : 0, ENXIO);
+		/* another open file cannot map this registration */
+		{
+			int fd2 = phx_open();
+
+			p = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd2,
+				 (off_t)r0.mmap_offset);
+			expect_errno("mmap from another fd",
+				     p == MAP_FAILED ? -1 : 0, ENXIO);
+			u.flags = 0;
+			u.handle = r0.handle;
+			expect_errno("unregister from another fd",
+				     ioctl(fd2, PHX_IOC_UNREGISTER, &u), ENOENT);
+			close(fd2);
+		}
+		/* a sub-range mapping at an offset works */
+		p = mmap(NULL, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)(r0.mmap_offset + (1 << 20)));
+		if (p == MAP_FAILED)
+			FAIL("validate sub-range mmap: %s", strerror(errno));
+		else
+			munmap(p, 1 << 20);
+	}
+
+	/* non-root (no CAP_SYS_ADMIN) cannot register a PCI BAR */
+	pid = fork();
+	if (pid == 0) {
+		reg_init(&r, b, bar, 8 << 20, 2 << 20);
+		if (setgid(65534) || setuid(65534))
+			_exit(2);
+		_exit(ioctl(fd, PHX_IOC_REGISTER, &r) == -1 && errno == EPERM ? 0 : 1);
+	}
+	waitpid(pid, &status, 0);
+	if (!WIFEXITED(status) || WEXITSTATUS(status))
+		FAIL("validate: unprivileged PCI BAR registration not refused");
+
+	if (stat(PHX_DEVICE_PATH, &st) || (st.st_mode & 0777) != 0660)
+		FAIL("validate: %s mode %o, want 0660", PHX_DEVICE_PATH,
+		     st.st_mode & 0777);
+	if (phx_info(fd, &info) || info.abi_version != PHX_ABI_VERSION ||
+	    info.reg_align != PHX_REG_ALIGN)
+		FAIL("validate: info");
+	close(fd);	/* releases both registrations */
+	fd = phx_open();
+	if (phx_info(fd, &info) || info.nr_regs != 0)
+		FAIL("validate: %llu registrations left after close",
+		     (unsigned long long)info.nr_regs);
+	close(fd);
+	if (!failures)
+		PASS("validate (bad arguments refused with the right errno)");
+	return failures ? 1 : 0;
+}
+
+/* ---- garbage ---- */
+
+static uint64_t rng_state = 0x1234567;
+
+static uint64_t rnd(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 7;
+	rng_state ^= rng_state << 17;
+	return rng_state;
+}
+
+static int cmd_garbage(const struct bdf *b, int bar, long n)
+{
+	static const unsigned int cmds[] = { PHX_IOC_INFO, PHX_IOC_REGISTER,
+					     PHX_IOC_UNREGISTER };
+	uint8_t *buf = xalloc(4096);
+	int fd = phx_open();
+	long i, ok = 0, regs = 0;
+	struct phx_info info;
+
+	rng_state ^= (uint64_t)time(NULL);
+	for (i = 0; i < n; i++) {
+		unsigned int cmd;
+		void *arg;
+		uint64_t k = rnd();
+		size_t j;
+
+		for (j = 0; j < 4096; j += 8) {
+			uint64_t v = rnd();
+
+			memcpy(buf + j, &v, 8);
+		}
+		/* half of the time a nearly valid structure */
+		if (k & 1) {
+			struct phx_register *r = (void *)buf;
+
+			reg_init(r, b, bar, (rnd() % 64) << 20, (rnd() % 8) << 20);
+			if (rnd() & 1)
+				r->reserved[rnd() % 4] = rnd();
+			if (rnd() & 1)
+				r->flags = (uint32_t)rnd();
+			if (rnd() & 1)
+				r->offset = rnd();
+			if (rnd() & 1)
+				r->length = rnd() & ~((2ULL << 20) - 1);
+		} else if (k & 2) {
+			struct phx_unregister *u = (void *)buf;
+
+			u->abi_version = PHX_ABI_VERSION;
+			u->handle = (uint32_t)(rnd() % 16);
+			u->flags = 0;
+			u->pad = 0;
+		} else if (k & 4) {
+			((struct phx_info *)buf)->abi_version = PHX_ABI_VERSION;
+		}
+		if ((k >> 8) % 4 == 0)
+			cmd = (uint32_t)rnd();
+		else if ((k >> 8) % 4 == 1)
+			cmd = _IOC((rnd() % 4), PHX_IOC_MAGIC, rnd() % 8,
+				   rnd() % 256);
+		else
+			cmd = cmds[rnd() % 3];
+		switch ((k >> 16) % 8) {
+		case 0:
+			arg = NULL;
+			break;
+		case 1:
+			arg = (void *)(uintptr_t)rnd();
+			break;
+		case 2:
+			arg = buf + 4096 - 8;	/* straddles the allocation */
+			break;
+		default:
+			arg = buf;
+		}
+		if (ioctl(fd, cmd, arg) == 0) {
+			ok++;
+			if (cmd == PHX_IOC_REGISTER) {
+				struct phx_register *r = (void *)buf;
+				void *p;
+
+				regs++;
+				p = mmap(NULL, r->length, PROT_READ | PROT_WRITE,
+					 MAP_SHARED, fd, (off_t)r->mmap_offset);
+				if (p != MAP_FAILED) {
+					memset(p, 0x5a, 4096);
+					if (rnd() & 1)
+						munmap(p, r->length);
+				}
+			}
+		}
+		if (rnd() % 64 == 0) {	/* random mmaps */
+			void *p = mmap(NULL, (rnd() % 5) << 20, PROT_READ,
+				       (rnd() & 1) ? MAP_SHARED : MAP_PRIVATE, fd,
+				       (off_t)((rnd() % 20) << 40) +
+				       (off_t)((rnd() % 8) << 20));
+
+			if (p != MAP_FAILED)
+				ok++;
+		}
+		if (rnd() % 500 == 0) {	/* start over, mappings still live */
+			close(fd);
+			fd = phx_open();
+		}
+	}
+	close(fd);
+	fd = phx_open();
+	if (phx_info(fd, &info))
+		FAIL("garbage: info after the storm");
+	printf("garbage: %ld calls, %ld succeeded, %ld registrations, %llu live now\n",
+	       n, ok, regs, (unsigned long long)info.nr_regs);
+	close(fd);
+	PASS("garbage %ld random ioctls/mmaps survived", n);
+	return 0;
+}
+
+/* ---- lifecycle ---- */
+
+static int cmd_hold(const struct bdf *b, int bar, uint64_t regoff,
+		    uint64_t reglen)
+{
+	struct phx_register reg;
+	int fd = phx_open();
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+
+	close(fd);		/* the mapping alone keeps everything alive */
+	map[0] = 1;
+	printf("PHX-HOLDING\n");
+	fflush(stdout);
+	for (;;)
+		pause();
+	return 0;
+}
+
+struct busy {
+	int dfd;
+	uint8_t *map;
+	size_t len;
+	atomic_long done;
+	atomic_long efault;
+	atomic_int stop;
+};
+
+static void *busy_thread(void *arg)
+{
+	struct busy *bz = arg;
+
+	while (!atomic_load(&bz->stop)) {
+		ssize_t n = pread(bz->dfd, bz->map, bz->len, 0);
+
+		if (n == (ssize_t)bz->len)
+			atomic_fetch_add(&bz->done, 1);
+		else if (n < 0 && errno == EFAULT)
+			atomic_fetch_add(&bz->efault, 1);
+	}
+	return NULL;
+}
+
+/* I/O through the mapping from a thread and an io_uring, forever. */
+static int cmd_busyio(const struct bdf *b, int bar, uint64_t regoff,
+		      uint64_t reglen, const char *dir)
+{
+	struct phx_register reg;
+	struct busy bz = { 0 };
+	pthread_t t;
+	char path[512];
+	int fd = phx_open(), i;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	struct io_uring r;
+
+	snprintf(path, sizeof(path), "%s/phx-busy.dat", dir);
+	make_file(path, reglen, 7);
+	bz.dfd = open(path, O_RDONLY | O_DIRECT);
+	bz.map = map;
+	bz.len = reglen / 2;
+	pthread_create(&t, NULL, busy_thread, &bz);
+	if (io_uring_queue_init(64, &r, 0))
+		return 1;
+	printf("PHX-BUSY\n");
+	fflush(stdout);
+	for (;;) {
+		struct io_uring_cqe *cqe;
+
+		for (i = 0; i < 32; i++) {
+			struct io_uring_sqe *sqe = io_uring_get_sqe(&r);
+			size_t chunk = reglen / 2 / 32;
+
+			if (!sqe)
+				break;
+			io_uring_prep_read(sqe, bz.dfd, map + reglen / 2 + i * chunk,
+					   chunk, i * chunk);
+		}
+		io_uring_submit(&r);
+		for (i = 0; i < 32; i++) {
+			if (io_uring_wait_cqe(&r, &cqe))
+				break;
+			io_uring_cqe_seen(&r, cqe);
+		}
+	}
+	return 0;
+}
+
+static sigjmp_buf jb;
+
+static void on_fault(int sig)
+{
+	siglongjmp(jb, sig);
+}
+
+static int touch(volatile uint8_t *p)
+{
+	int sig = sigsetjmp(jb, 1);
+
+	if (sig)
+		return sig;
+	(void)*p;
+	return 0;
+}
+
+/* Unregister while another thread does I/O into the mapping. */
+static int cmd_unreg(const struct bdf *b, int bar, uint64_t regoff,
+		     uint64_t reglen, const char *dir)
+{
+	struct phx_register reg;
+	struct busy bz = { 0 };
+	struct phx_info info;
+	pthread_t t[2];
+	char path[512];
+	int fd = phx_open(), ret, sig;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	long before;
+
+	snprintf(path, sizeof(path), "%s/phx-unreg.dat", dir);
+	make_file(path, reglen, 9);
+	bz.dfd = open(path, O_RDONLY | O_DIRECT);
+	bz.map = map;
+	bz.len = reglen;
+	pthread_create(&t[0], NULL, busy_thread, &bz);
+	pthread_create(&t[1], NULL, busy_thread, &bz);
+	while (atomic_load(&bz.done) < 4)
+		usleep(1000);
+	ret = phx_unreg(fd, reg.handle);
+	before = atomic_load(&bz.efault);
+	usleep(200000);
+	atomic_store(&bz.stop, 1);
+	pthread_join(t[0], NULL);
+	pthread_join(t[1], NULL);
+	signal(SIGBUS, on_fault);
+	signal(SIGSEGV, on_fault);
+	sig = touch(map + 4096);
+	printf("unreg: %ld reads done, EFAULT after revoke: %ld, touch -> signal %d\n",
+	       atomic_load(&bz.done), atomic_load(&bz.efault), sig);
+	if (ret)
+		FAIL("unreg: unregister returned %d", ret);
+	else if (sig != SIGBUS)
+		FAIL("unreg: access after revoke gave signal %d, want SIGBUS", sig);
+	else if (atomic_load(&bz.efault) <= before && atomic_load(&bz.efault) == 0)
+		FAIL("unreg: no I/O failed with EFAULT after revoke");
+	munmap(map, reglen);
+	unlink(path);
+	if (phx_info(fd, &info) || info.nr_regs || info.nr_pages_busy)
+		FAIL("unreg: %llu registrations left", (unsigned long long)info.nr_regs);
+	close(fd);
+	if (!failures)
+		PASS("unreg (revoked under I/O: later I/O EFAULT, access SIGBUS)");
+	return failures ? 1 : 0;
+}
+
+/* fork() does not copy the mapping (VM_DONTCOPY). */
+static int cmd_fork(const struct bdf *b, int bar, uint64_t regoff,
+		    uint64_t reglen)
+{
+	struct phx_register reg;
+	int fd = phx_open(), status;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	pid_t pid;
+
+	map[0] = 0x42;
+	pid = fork();
+	if (pid == 0) {
+		signal(SIGSEGV, on_fault);
+		signal(SIGBUS, on_fault);
+		_exit(touch(map) == SIGSEGV ? 0 : 1);
+	}
+	waitpid(pid, &status, 0);
+	if (!WIFEXITED(status) || WEXITSTATUS(status))
+		FAIL("fork: the child could access the mapping");
+	else if (map[0] != 0x42)
+		FAIL("fork: parent lost its mapping");
+	else
+		PASS("fork (child has no mapping, parent keeps it)");
+	munmap(map, reglen);
+	close(fd);
+	return failures ? 1 : 0;
+}
+
+static int cmd_info(void)
+{
+	struct phx_info info;
+	int fd = phx_open();
+
+	if (phx_info(fd, &info)) {
+		FAIL("info: %s", strerror(errno));
+		return 1;
+	}
+	printf("phx info: abi %u flags %#x align %u max %llu regs %llu busy %llu\n",
+	       info.abi_version, info.flags, info.reg_align,
+	       (unsigned long long)info.max_reg_bytes,
+	       (unsigned long long)info.nr_regs,
+	       (unsigned long long)info.nr_pages_busy);
+	close(fd);
+	return 0;
+}
+
+static uint64_t num(const char *s)
+{
+	return strtoull(s, NULL, 0);
+}
+
+int main(int argc, char **argv)
+{
+	struct bdf b;
+	const char *cmd = argc > 1 ? argv[1] : "";
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	if (!strcmp(cmd, "hostfill") && argc == 6)
+		return cmd_host(argv[2], num(argv[3]), num(argv[4]), num(argv[5]), 1);
+	if (!strcmp(cmd, "hostcheck") && argc == 6)
+		return cmd_host(argv[2], num(argv[3]), num(argv[4]), num(argv[5]), 0);
+	if (!strcmp(cmd, "info"))
+		return cmd_info();
+	if (argc < 4 || parse_bdf(argv[2], &b)) {
+		fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
+		return 2;
+	}
+	if (!strcmp(cmd, "validate"))
+		return cmd_validate(&b, atoi(argv[3]));
+	if (!strcmp(cmd, "garbage") && argc == 5)
+		return cmd_garbage(&b, atoi(argv[3]), atol(argv[4]));
+	if (argc < 6)
+		return 2;
+	if (!strcmp(cmd, "hold"))
+		return cmd_hold(&b, atoi(argv[3]), num(argv[4]), num(argv[5]));
+	if (!strcmp(cmd, "fork"))
+		return cmd_fork(&b, atoi(argv[3]), num(argv[4]), num(argv[5]));
+	if (argc < 7)
+		return 2;
+	if (!strcmp(cmd, "busyio"))
+		return cmd_busyio(&b, atoi(argv[3]), num(argv[4]), num(argv[5]), argv[6]);
+	if (!strcmp(cmd, "unreg"))
+		return cmd_unreg(&b, atoi(argv[3]), num(argv[4]), num(argv[5]), argv[6]);
+	if (!strcmp(cmd, "io") && argc == 8)
+		return cmd_io(&b, atoi(argv[3]), num(argv[4]), num(argv[5]), argv[6],
+			      argv[7]);
+	if (!strcmp(cmd, "fillbar") && argc == 10)
+		return cmd_fillbar(&b, atoi(argv[3]), num(argv[4]), num(argv[5]),
+				   argv[6], num(argv[7]), num(argv[8]), num(argv[9]));
+	if (!strcmp(cmd, "checkbar") && argc == 10)
+		return cmd_checkbar(&b, atoi(argv[3]), num(argv[4]), num(argv[5]),
+				    argv[6], num(argv[7]), num(argv[8]), num(argv[9]));
+	fprintf(stderr, "unknown command or wrong arguments\n");
+	return 2;
+}

@@ -1,0 +1,539 @@
+#!/usr/bin/env python3
+"""phxguest: boot a QEMU (TCG) guest on a Debian 6.12 kernel and run a test suite.
+
+Reusable by every guest test of phx.  What it does:
+
+* fetches (``apt-get download``) and unpacks Debian's linux-image and
+  linux-headers 6.12 into a cache outside the repository
+  (``$PHX_GUEST_CACHE``, default ``~/.cache/phx-guest``); or, with
+  ``--kernel p2pdma``, builds a kernel with CONFIG_PCI_P2PDMA from Debian's
+  ``linux-source-6.12`` (cached);
+* builds ``kernel/`` (phx.ko) against that kernel, and the C test programs
+  (``tests/guest/*.c``) for the host;
+* builds a busybox initramfs holding the modules the guest needs;
+* boots ``qemu-system-x86_64 -accel tcg`` with emulated NVMe controllers
+  (size, LBA size, MDTS configurable), an ``ivshmem-plain`` device backed by a
+  file in /dev/shm, and the host's ``/`` shared read-only over 9p; the guest
+  chroots into the host tree and runs a suite script (bash) there;
+* judges the run only by what the guest printed: every ``PHX-EXPECT`` name of
+  the suite must have a ``PHX-PASS name`` line, no ``PHX-FAIL`` line may appear,
+  the guest must reach ``PHX-GUEST-DONE``, and the log must hold no ``Oops``,
+  ``BUG``, ``WARNING`` or ``Call Trace``.  On failure the guest log is printed.
+
+Suite scripts (``tests/guest/suite_*.sh``) declare what must pass with
+``# PHX-EXPECT: name ...`` lines and get, in the environment: PHX_REPO,
+PHX_KO (phx.ko built for the booted kernel), PHX_BIN (host-built test
+binaries), PHX_KVER, PHX_KERNEL (debian|p2pdma), PHX_IVSHMEM_BDF,
+PHX_IVSHMEM_SIZE, PHX_NVME (space-separated /dev/nvmeXn1 names, in --nvme
+order) and a writable tmpfs at /tmp.  A line ``PHX-HOSTCHECK off len seed``
+asks the host to compare the ivshmem backing file after the guest exits.
+
+Exit status: 0 pass, 1 fail, 77 cannot run here (no qemu and no apt).
+"""
+
+import argparse
+import gzip
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CACHE = Path(os.environ.get("PHX_GUEST_CACHE", Path.home() / ".cache" / "phx-guest"))
+
+HOST_PACKAGES = ["qemu-system-x86", "busybox-static", "cpio", "xz-utils", "make",
+                 "gcc", "libc6-dev", "libelf-dev", "bc", "liburing-dev",
+                 "xfsprogs", "e2fsprogs", "kmod", "python3"]
+P2PDMA_PACKAGES = ["flex", "bison", "libssl-dev", "dwarves"]
+
+# Modules the guest needs from a Debian kernel (dependencies are added).
+# Crypto first: libcrc32c (xfs, ext4) needs a crc32c provider when it loads.
+GUEST_MODULES = ["crc32c_generic", "crc32c-intel", "crc32_generic", "libcrc32c", "nvme",
+                 "9p", "9pnet_virtio", "ext4", "xfs", "virtio_pci", "loop"]
+
+BAD_PATTERNS = re.compile(r"Oops|\bBUG\b|WARNING|Call Trace|Kernel panic")
+
+
+def log(msg):
+    print(f"[phxguest] {msg}", flush=True)
+
+
+def run(cmd, **kw):
+    kw.setdefault("check", True)
+    return subprocess.run(cmd, **kw)
+
+
+def sh_out(cmd):
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+# --------------------------------------------------------------------------
+# host packages
+
+
+def apt_install(pkgs):
+    missing = [p for p in pkgs
+               if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode]
+    if not missing:
+        return
+    log(f"apt-get install {' '.join(missing)}")
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run(sudo + ["apt-get", "update", "-qq"], env=env)
+    run(sudo + ["apt-get", "install", "-y", "-qq", "--no-install-recommends"] + missing,
+        env=env)
+
+
+def apt_download(pkgs, dest):
+    dest.mkdir(parents=True, exist_ok=True)
+    todo = [p for p in pkgs if not list(dest.glob(f"{p}_*.deb"))]
+    if todo:
+        log(f"apt-get download {' '.join(todo)}")
+        # apt's sandbox user cannot write into root's cache: download as root.
+        run(["apt-get", "download", "-o", "APT::Sandbox::User=root"] + todo, cwd=dest,
+            stdout=subprocess.DEVNULL)
+    return [next(dest.glob(f"{p}_*.deb")) for p in pkgs]
+
+
+# --------------------------------------------------------------------------
+# kernels
+
+
+class Kernel:
+    """What a run needs from a kernel: image, build tree, modules."""
+
+    def __init__(self, name, kver, vmlinuz, kdir, moddir):
+        self.name, self.kver = name, kver
+        self.vmlinuz, self.kdir, self.moddir = vmlinuz, kdir, moddir
+
+
+def debian_version():
+    """The ABI name of bookworm's current 6.12 kernel, e.g. 6.12.117+deb12."""
+    if os.environ.get("PHX_GUEST_KVER"):
+        return os.environ["PHX_GUEST_KVER"]
+    for attempt in (0, 1):
+        try:
+            out = sh_out(["apt-cache", "depends", "linux-image-6.12-amd64"])
+            m = re.search(r"Depends: linux-image-(6\.12\.\S+)-amd64", out)
+            if m:
+                return m.group(1)
+        except subprocess.CalledProcessError:
+            pass
+        if attempt == 0:
+            run(["apt-get", "update", "-qq"])
+    raise SystemExit("no linux-image-6.12-amd64 in the apt sources "
+                     "(bookworm-security or bookworm-backports needed)")
+
+
+def debian_kernel():
+    ver = debian_version()
+    root = CACHE / f"k-{ver}"
+    hdr = root / "usr/src" / f"linux-headers-{ver}-amd64"
+    stamp = root / ".unpacked"
+    if not stamp.exists():
+        debs = apt_download([f"linux-image-{ver}-amd64", f"linux-headers-{ver}-amd64",
+                             f"linux-headers-{ver}-common", f"linux-kbuild-{ver}"],
+                            CACHE / "deb")
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        for deb in debs:
+            run(["dpkg-deb", "-x", str(deb), str(root)])
+        # the headers' Makefile includes an absolute /usr/src path
+        mk = hdr / "Makefile"
+        mk.write_text(mk.read_text().replace("include /usr/src/", f"include {root}/usr/src/"))
+        # the package leaves modules.dep to its postinst: make it here
+        run(["depmod", "-b", str(root), f"{ver}-amd64"])
+        stamp.touch()
+    return Kernel("debian", f"{ver}-amd64", root / "boot" / f"vmlinuz-{ver}-amd64", hdr,
+                  root / "lib/modules" / f"{ver}-amd64")
+
+
+P2PDMA_ENABLE = ["MODULES", "MODULE_UNLOAD", "MEMORY_HOTPLUG", "MEMORY_HOTREMOVE",
+                 "SPARSEMEM_VMEMMAP", "ZONE_DEVICE", "PCI_P2PDMA", "BLK_DEV_NVME",
+                 "NVME_CORE", "IO_URING", "NET_9P", "NET_9P_VIRTIO", "9P_FS",
+                 "9P_FS_POSIX_ACL", "EXT4_FS", "XFS_FS", "KPROBES", "KALLSYMS",
+                 "DEVTMPFS", "DEVTMPFS_MOUNT", "BLK_DEV_INITRD", "RD_GZIP", "PCI",
+                 "VIRTIO_PCI", "IKCONFIG", "IKCONFIG_PROC", "DEBUG_INFO_NONE",
+                 "HOTPLUG_PCI_PCIE", "PCIEPORTBUS"]
+P2PDMA_DISABLE = ["DRM", "SOUND", "USB_SUPPORT", "WLAN", "WIRELESS", "CFG80211", "HID",
+                  "NETFILTER", "DEBUG_INFO", "DEBUG_INFO_DWARF_TOOLCHAIN_DEFAULT", "AGP",
+                  "FB", "MODULE_SIG"]
+
+
+def p2pdma_kernel(jobs):
+    """defconfig + kvm_guest.config + P2PDMA, built from linux-source-6.12."""
+    apt_install(P2PDMA_PACKAGES + ["make", "gcc", "libelf-dev", "bc", "xz-utils"])
+    src = CACHE / "src" / "linux-source-6.12"
+    if not (src / "Makefile").exists():
+        (deb,) = apt_download(["linux-source-6.12"], CACHE / "deb")
+        (CACHE / "src").mkdir(parents=True, exist_ok=True)
+        log("unpacking linux-source-6.12")
+        run(f"dpkg-deb --fsys-tarfile '{deb}' | tar -xO ./usr/src/linux-source-6.12.tar.xz"
+            f" | xz -dc -T0 | tar -x -C '{CACHE / 'src'}'", shell=True)
+    cfg_id = hashlib.sha256(" ".join(P2PDMA_ENABLE + ["-"] + P2PDMA_DISABLE).encode())
+    cfg_id = cfg_id.hexdigest()[:10]
+    out = CACHE / "p2pdma" / "build"
+    stamp = CACHE / "p2pdma" / f".built-{cfg_id}"
+    image = out / "arch/x86/boot/bzImage"
+    if not stamp.exists() or not image.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        log(f"configuring the P2PDMA kernel in {out}")
+        run(["make", "-s", "-C", str(src), f"O={out}", "x86_64_defconfig",
+             "kvm_guest.config"], stdout=subprocess.DEVNULL)
+        args = []
+        for o in P2PDMA_ENABLE:
+            args += ["-e", o]
+        for o in P2PDMA_DISABLE:
+            args += ["-d", o]
+        run([str(src / "scripts/config"), "--file", str(out / ".config")] + args)
+        run(["make", "-s", "-C", str(src), f"O={out}", "olddefconfig"])
+        cfg = (out / ".config").read_text()
+        if "CONFIG_PCI_P2PDMA=y" not in cfg:
+            raise SystemExit("CONFIG_PCI_P2PDMA did not stick in the kernel config")
+        log(f"building the P2PDMA kernel (-j{jobs}; ~10 min on 2 cores, cached after)")
+        t0 = time.time()
+        run(["make", "-s", "-C", str(out), f"-j{jobs}", "bzImage", "modules"])
+        log(f"kernel built in {time.time() - t0:.0f} s")
+        stamp.touch()
+    kver = sh_out(["make", "-s", "-C", str(out), "kernelrelease"]).strip()
+    return Kernel("p2pdma", kver, image, out, None)
+
+
+# --------------------------------------------------------------------------
+# phx.ko and test programs
+
+
+def build_module(kern):
+    """Build kernel/ in a copy under the cache (the tree stays clean)."""
+    bdir = CACHE / "phx-build" / kern.name
+    if bdir.exists():
+        shutil.rmtree(bdir)
+    shutil.copytree(REPO / "kernel", bdir,
+                    ignore=shutil.ignore_patterns("*.o", "*.ko", "*.cmd", "*.mod*",
+                                                  "*.order", "*.symvers", ".*"))
+    r = run(["make", "-C", str(kern.kdir), f"M={bdir}", "modules"], capture_output=True,
+            text=True, check=False)
+    if r.returncode:
+        print(r.stdout, r.stderr)
+        raise SystemExit("phx.ko did not build")
+    warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning:" in ln]
+    for ln in warn:
+        log(f"build warning: {ln}")
+    return bdir / "phx.ko"
+
+
+def build_programs():
+    out = CACHE / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    for src in sorted(HERE.glob("*.c")):
+        exe = out / src.stem
+        if exe.exists() and exe.stat().st_mtime >= src.stat().st_mtime and \
+                exe.stat().st_mtime >= (REPO / "kernel/include/uapi/phx_uapi.h").stat().st_mtime:
+            continue
+        run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-o", str(exe), str(src),
+             "-luring", "-lpthread"])
+    return out
+
+
+# --------------------------------------------------------------------------
+# initramfs
+
+INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+echo "PHX-GUEST-BOOTED $(uname -r)"
+for m in $(cat /modules.load); do insmod /lib/modules/$m 2>/dev/null; done
+arg() { sed -n "s/.*phx\.$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+RUN=$(arg run)
+mkdir -p /host
+if ! mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144,cache=loose,ro host /host; then
+    echo "PHX-FAIL guest: cannot mount the host tree over 9p"
+    poweroff -f
+fi
+mount -t proc proc /host/proc
+mount -t sysfs sys /host/sys
+mount -t devtmpfs dev /host/dev
+mount -t tmpfs -o size=512m tmp /host/tmp
+mkdir -p /host/dev/shm /host/dev/pts
+mount -t tmpfs shm /host/dev/shm
+# ivshmem-plain: vendor 1af4 device 1110
+BDF=
+for d in /sys/bus/pci/devices/*; do
+    if [ "$(cat $d/vendor)" = 0x1af4 ] && [ "$(cat $d/device)" = 0x1110 ]; then
+        BDF=${d##*/}
+    fi
+done
+NV=
+for n in $(ls /sys/class/nvme 2>/dev/null | sort -V); do NV="$NV /dev/${n}n1"; done
+echo "guest: ivshmem at $BDF, nvme:$NV"
+env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+    PHX_IVSHMEM_BDF=$BDF PHX_NVME="$NV" $(cat /host$RUN/env) \
+    chroot /host /bin/bash $(cat /host$RUN/script) </dev/null 2>&1
+echo "PHX-GUEST-DONE rc=$?"
+echo "PHX-DMESG-BEGIN"
+dmesg
+echo "PHX-DMESG-END"
+sync
+poweroff -f
+"""
+
+
+def module_closure(moddir, names):
+    """Paths (relative to moddir) of @names and their dependencies, load order."""
+    deps = {}
+    for line in (moddir / "modules.dep").read_text().splitlines():
+        mod, _, rest = line.partition(":")
+        deps[mod] = rest.split()
+    byname = {}
+    for mod in deps:
+        base = Path(mod).name.split(".ko")[0]
+        byname[base] = mod
+        byname[base.replace("-", "_")] = mod
+    order, seen = [], set()
+
+    def visit(mod):
+        if mod in seen:
+            return
+        seen.add(mod)
+        for d in deps.get(mod, []):
+            visit(d)
+        order.append(mod)
+
+    for n in names:
+        mod = byname.get(n) or byname.get(n.replace("-", "_"))
+        if mod:
+            visit(mod)
+    return order
+
+
+def build_initramfs(kern):
+    out = CACHE / f"initramfs-{kern.kver}.cpio.gz"
+    init_hash = hashlib.sha256((INIT + " ".join(GUEST_MODULES)).encode()).hexdigest()[:10]
+    stamp = CACHE / f".initramfs-{kern.kver}-{init_hash}"
+    if out.exists() and stamp.exists():
+        return out
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    with tempfile.TemporaryDirectory() as td:
+        root = Path(td)
+        for d in ("bin", "sbin", "proc", "sys", "dev", "host", "lib/modules", "tmp"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy(busybox, root / "bin/busybox")
+        (root / "init").write_text(INIT)
+        (root / "init").chmod(0o755)
+        load = []
+        if kern.moddir:
+            for mod in module_closure(kern.moddir, GUEST_MODULES):
+                src = kern.moddir / mod
+                name = Path(mod).name
+                data = src.read_bytes()
+                if name.endswith(".xz"):
+                    data = subprocess.run(["xz", "-dc"], input=data, check=True,
+                                          capture_output=True).stdout
+                    name = name[:-3]
+                (root / "lib/modules" / name).write_bytes(data)
+                load.append(name)
+        (root / "modules.load").write_text("\n".join(load) + "\n")
+        run(f"cd '{root}' && find . | cpio -o -H newc --quiet | gzip -1 > '{out}.tmp'",
+            shell=True)
+    os.replace(f"{out}.tmp", out)
+    for old in CACHE.glob(f".initramfs-{kern.kver}-*"):
+        old.unlink()
+    stamp.touch()
+    return out
+
+
+# --------------------------------------------------------------------------
+# the run
+
+
+def parse_size(s):
+    m = re.fullmatch(r"(\d+)([KMG]?)", s.strip().upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r}")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
+def parse_nvme(spec):
+    """size=256M,lba=4096,mdts=5 -> dict (mdts 0 = QEMU's default)."""
+    d = {"size": 512 << 20, "lba": 4096, "mdts": 7}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        if k == "size":
+            d["size"] = parse_size(v)
+        elif k in ("lba", "mdts"):
+            d[k] = int(v)
+        else:
+            raise argparse.ArgumentTypeError(f"unknown nvme option {k}")
+    if d["lba"] not in (512, 4096):
+        raise argparse.ArgumentTypeError("lba must be 512 or 4096")
+    return d
+
+
+def qemu_cmd(a, kern, initrd, rundir, shm):
+    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-machine", "q35", "-cpu", "max",
+           "-m", a.mem, "-smp", str(a.smp), "-nographic", "-no-reboot",
+           "-kernel", str(kern.vmlinuz), "-initrd", str(initrd),
+           "-append", f"console=ttyS0 loglevel=4 panic=-1 phx.run={rundir}",
+           "-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,"
+                      "multidevs=remap",
+           # a PCIe switch: the NVMe and the ivshmem device are peers below it,
+           # the topology upstream P2PDMA accepts without a whitelisted host bridge
+           "-device", "pcie-root-port,id=rp0,chassis=1,slot=1",
+           "-device", "x3130-upstream,id=up0,bus=rp0"]
+    slot = 0
+    cmd += ["-device", f"xio3130-downstream,id=dn{slot},bus=up0,chassis={10 + slot},slot={slot}",
+            "-object", f"memory-backend-file,id=shm0,share=on,mem-path={shm},"
+                       f"size={a.ivshmem_size}",
+            "-device", f"ivshmem-plain,memdev=shm0,bus=dn{slot}"]
+    for i, nv in enumerate(a.nvme):
+        slot += 1
+        img = rundir / f"nvme{i}.img"
+        with open(img, "wb") as f:
+            f.truncate(nv["size"])
+        cmd += ["-device", f"xio3130-downstream,id=dn{slot},bus=up0,chassis={10 + slot},"
+                           f"slot={slot}",
+                "-drive", f"file={img},if=none,id=nvm{i},format=raw,cache=unsafe",
+                "-device", f"nvme,id=nvme{i},serial=phx{i:04d},mdts={nv['mdts']},"
+                           f"bus=dn{slot}",
+                "-device", f"nvme-ns,drive=nvm{i},bus=nvme{i},nsid=1,"
+                           f"logical_block_size={nv['lba']},"
+                           f"physical_block_size={nv['lba']}"]
+    return cmd
+
+
+def judge(text, expects):
+    """(ok, reasons) from the guest's console output."""
+    reasons = []
+    passed = set(re.findall(r"^PHX-PASS (\S+)", text, re.M))
+    for f in re.findall(r"^PHX-FAIL .*$", text, re.M):
+        reasons.append(f"guest reported: {f}")
+    for e in expects:
+        if not any(p == e or p.startswith(e + "/") for p in passed):
+            reasons.append(f"missing: PHX-PASS {e}")
+    if "PHX-GUEST-DONE" not in text:
+        reasons.append("the guest did not finish (no PHX-GUEST-DONE)")
+    if "PHX-DMESG-END" not in text:
+        reasons.append("no complete dmesg from the guest")
+    for ln in text.splitlines():
+        if BAD_PATTERNS.search(ln) and not ln.startswith(("PHX-PASS", "+ ")):
+            reasons.append(f"kernel trouble: {ln.strip()}")
+            break
+    return not reasons, reasons
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("suite", type=Path, help="bash script run in the guest (chroot)")
+    ap.add_argument("--kernel", choices=["debian", "p2pdma"], default="debian")
+    ap.add_argument("--nvme", type=parse_nvme, action="append",
+                    help="add an NVMe: size=512M,lba=4096,mdts=7 (repeatable)")
+    ap.add_argument("--ivshmem-size", type=parse_size, default=parse_size("128M"))
+    ap.add_argument("--mem", default="2G")
+    ap.add_argument("--smp", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds for the guest")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--keep", action="store_true", help="keep the run folder")
+    ap.add_argument("--prepare-only", action="store_true")
+    a = ap.parse_args()
+    a.nvme = a.nvme or [parse_nvme("")]
+    suite = a.suite.resolve()
+
+    if not shutil.which("apt-get") and not shutil.which("qemu-system-x86_64"):
+        print("PHX-SKIP no apt and no qemu here")
+        return 77
+    t0 = time.time()
+    apt_install(HOST_PACKAGES)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    kern = debian_kernel() if a.kernel == "debian" else p2pdma_kernel(a.jobs)
+    ko = build_module(kern)
+    bindir = build_programs()
+    initrd = build_initramfs(kern)
+    log(f"prepared in {time.time() - t0:.0f} s: kernel {kern.kver}, {ko}")
+    if a.prepare_only:
+        return 0
+
+    runs = CACHE / "runs"
+    runs.mkdir(exist_ok=True)
+    rundir = Path(tempfile.mkdtemp(prefix=f"{suite.stem}-{a.kernel}-", dir=runs))
+    shm = Path(f"/dev/shm/phx-guest-{os.getpid()}")
+    with open(shm, "wb") as f:
+        f.truncate(a.ivshmem_size)
+    env = {"PHX_REPO": str(REPO), "PHX_KO": str(ko), "PHX_BIN": str(bindir),
+           "PHX_KVER": kern.kver, "PHX_KERNEL": a.kernel,
+           "PHX_IVSHMEM_SIZE": str(a.ivshmem_size)}
+    (rundir / "env").write_text(" ".join(f"{k}={v}" for k, v in env.items()))
+    (rundir / "script").write_text(str(suite))
+    expects = []
+    for ln in suite.read_text().splitlines():
+        if ln.startswith("# PHX-EXPECT:"):
+            expects += ln.split(":", 1)[1].split()
+
+    # suite hook on the host before boot: lines "# PHX-HOSTFILL: off len seed"
+    for ln in suite.read_text().splitlines():
+        if ln.startswith("# PHX-HOSTFILL:"):
+            off, ln_, seed = ln.split(":", 1)[1].split()
+            run([str(bindir / "phx_io_test"), "hostfill", str(shm), off, ln_, seed])
+
+    cmd = qemu_cmd(a, kern, initrd, rundir, shm)
+    (rundir / "qemu.cmd").write_text(" ".join(cmd) + "\n")
+    logf = rundir / "console.log"
+    log(f"booting {kern.kver} (TCG), suite {suite.name}, log {logf}")
+    t1 = time.time()
+    timed_out = False
+    with open(logf, "wb") as out:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    wall = time.time() - t1
+    text = logf.read_bytes().decode("utf-8", "replace").replace("\r", "")
+    ok, reasons = judge(text, expects)
+    if timed_out:
+        ok = False
+        reasons.insert(0, f"timed out after {a.timeout} s")
+
+    # host-side checks of the ivshmem backing file
+    for off, ln_, seed in re.findall(r"^PHX-HOSTCHECK (\d+) (\d+) (\d+)", text, re.M):
+        r = run([str(bindir / "phx_io_test"), "hostcheck", str(shm), off, ln_, seed],
+                check=False, capture_output=True, text=True)
+        print(r.stdout, end="")
+        if r.returncode:
+            ok = False
+            reasons.append(f"host check of {off}+{ln_} failed")
+    shm.unlink(missing_ok=True)
+
+    for ln in text.splitlines():
+        if ln.startswith(("PHX-PASS", "PHX-FAIL", "PHX-SKIP")):
+            print(ln)
+    if not ok:
+        print("=" * 30 + " guest log " + "=" * 30)
+        print(text)
+        print("=" * 71)
+        for r in reasons:
+            log(f"FAIL: {r}")
+        log(f"suite {suite.name} on {kern.kver}: FAILED ({wall:.0f} s in the guest); "
+            f"run folder {rundir}")
+        return 1
+    log(f"suite {suite.name} on {kern.kver}: PASSED, {len(expects)} expected results, "
+        f"{wall:.0f} s in the guest, {time.time() - t0:.0f} s in all")
+    if not a.keep:
+        shutil.rmtree(rundir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
