@@ -15,6 +15,7 @@ Fixtures
 ``xfs_dir``, ``ext4img_dir``  directories on session-wide loop-mounted images
 ``small_tmpfs``    an 8 MiB tmpfs (root), for ENOSPC
 ``small_ext4``     a ~16 MiB loop-mounted ext4 (root), for ENOSPC
+``ramfs_dir``      a ramfs mount (root): refuses O_DIRECT
 ``engine``         a fresh ``phx.Engine()`` for counter tests
 """
 from __future__ import annotations
@@ -334,6 +335,25 @@ def small_ext4(disk_base):
     _need_root("the small ext4 loop image")
     with loop_mounted(disk_base, "ext4", 16 * MiB, ("-q", "-F", "-m", "0")) as mnt:
         yield mnt
+
+
+@pytest.fixture
+def ramfs_dir(disk_base):
+    """A ramfs mount: a filesystem that refuses O_DIRECT opens (EINVAL)."""
+    _need_root("the ramfs mount")
+    mnt = tempfile.mkdtemp(prefix="ramfs-", dir=disk_base)
+    try:
+        try:
+            _run(["mount", "-t", "ramfs", "phx-test", mnt])
+        except (subprocess.CalledProcessError, OSError) as e:
+            pytest.skip(f"cannot mount ramfs: {e}")
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", mnt], check=False, stderr=subprocess.DEVNULL)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(mnt)
 
 
 @pytest.fixture(params=["tmpfs", "ext4"])

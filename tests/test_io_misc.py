@@ -1,0 +1,223 @@
+"""Lifetimes, processes, big numbers, and filesystems that refuse O_DIRECT.
+
+- A File keeps its Engine alive; a Future keeps its File/Engine alive.
+- After fork() the child gets its own default engine and does I/O.
+- Offsets beyond 4 GiB and a request larger than 2 GiB (32-bit truncation).
+- More files open on one engine than it has registered-file slots.
+- On ramfs (no O_DIRECT): a clear OSError(EINVAL) with the path, or with
+  allow_buffered=True a buffered file (File.direct False) that works - in
+  every mode, including the exclusive-create ones.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+import phx
+from conftest import MiB, assert_same, fresh_bytes, write_file
+
+GiB = 1024 * MiB
+
+
+def test_file_keeps_engine_alive(data_dir, rng):
+    path = os.path.join(data_dir, "f")
+    data = fresh_bytes(rng, 100_000)
+    write_file(path, data)
+    f = phx.open(path, "r", engine=phx.Engine(queue_depth=8))
+    gc.collect()
+    b = bytearray(100_000)
+    assert f.pread(b, 0) == 100_000
+    assert_same(b, data)
+    f.close()
+
+
+def test_future_keeps_everything_alive(data_dir, rng):
+    path = os.path.join(data_dir, "f")
+    data = fresh_bytes(rng, 3 * MiB)
+    write_file(path, data)
+    b = phx.empty_aligned(3 * MiB)
+    fut = phx.open(path, "r", engine=phx.Engine()).pread_async(b, 0)
+    gc.collect()
+    assert fut.result(timeout=60) == 3 * MiB
+    assert_same(b, data)
+
+
+def test_engine_freed_when_unused(data_dir):
+    """Engines do not leak: dropping the last reference frees it."""
+    eng = phx.Engine()
+    try:
+        ref = weakref.ref(eng)
+    except TypeError:
+        pytest.skip("phx.Engine does not support weak references")
+    del eng
+    gc.collect()
+    assert ref() is None
+
+
+def test_many_engines_created_and_dropped(data_dir, rng):
+    """Rings and bounce buffers are released: 300 engines in a row."""
+    path = os.path.join(data_dir, "f")
+    data = fresh_bytes(rng, 5000)
+    write_file(path, data)
+    for i in range(300):
+        with phx.open(path, "r", engine=phx.Engine(queue_depth=4)) as f:
+            b = bytearray(10)
+            assert f.pread(b, i) == 10
+            assert_same(b, data[i:i + 10])
+    gc.collect()
+
+
+def test_fork_child_uses_own_default_engine(data_dir, rng):
+    path = os.path.join(data_dir, "f")
+    data = fresh_bytes(rng, 1 * MiB + 3)
+    write_file(path, data)
+    with phx.open(path, "r") as f:  # the parent's default engine exists and has been used
+        f.pread(bytearray(10), 0)
+    parent_engine = phx.default_engine()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(r)
+            ok = phx.default_engine() is not parent_engine
+            with phx.open(path, "r") as f:
+                b = bytearray(len(data))
+                ok = ok and f.pread(b, 0) == len(data) and bytes(b) == data
+                fut = f.pread_async(bytearray(100), 7)
+                ok = ok and fut.result(timeout=60) == 100
+            os.write(w, b"ok" if ok else b"bad")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    msg = os.read(r, 10)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert msg == b"ok", "the child could not do I/O through its default engine"
+    # the parent still works
+    with phx.open(path, "r") as f:
+        b = bytearray(100)
+        assert f.pread(b, 5) == 100
+    assert_same(b, data[5:105])
+
+
+@pytest.mark.parametrize("off", [4 * GiB - 1, 4 * GiB, 5 * GiB + 3, (1 << 40) + 4097])
+def test_offsets_beyond_4gib(data_dir, rng, off):
+    path = os.path.join(data_dir, "sparse")
+    data = fresh_bytes(rng, 10_000)
+    with phx.open(path, "w+") as f:
+        assert f.pwrite(data, off) == 10_000
+        assert f.size == off + 10_000
+        b = bytearray(10_000)
+        assert f.pread(b, off) == 10_000
+    assert_same(b, data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert_same(os.pread(fd, 10_000, off), data, "via os.pread")
+        assert os.pread(fd, 16, off % (1 << 32)) in (bytes(16), b"") or off % (1 << 32) >= off
+    finally:
+        os.close(fd)
+
+
+def test_request_larger_than_2gib(data_dir, rng):
+    """One read of 2 GiB + 4097 bytes at offset 1 (bounce + split) from a
+    sparse file with random data at both ends: the count and the bytes are right."""
+    n = 2 * GiB + 4097
+    path = os.path.join(data_dir, "huge")
+    head = fresh_bytes(rng, 1 * MiB)
+    tail = fresh_bytes(rng, 1 * MiB)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, n + 1)
+        os.pwrite(fd, head, 0)
+        os.pwrite(fd, tail, n + 1 - len(tail))
+    finally:
+        os.close(fd)
+    try:
+        buf = np.empty(n, dtype=np.uint8)
+    except MemoryError:
+        pytest.skip("not enough memory for a 2 GiB buffer")
+    buf[:4096] = 1
+    buf[-4096:] = 1
+    with phx.open(path, "r") as f:
+        assert f.pread(buf, 1) == n
+    assert_same(buf[:len(head) - 1].tobytes(), head[1:], "head")
+    assert_same(buf[-len(tail):].tobytes(), tail, "tail")
+    mid = buf[2 * MiB: 2 * MiB + 4096]
+    assert not mid.any(), "hole did not read as zeros"
+    del buf
+
+
+def test_more_files_than_registered_slots(data_dir, rng):
+    data = fresh_bytes(rng, 300 * 64)
+    path = os.path.join(data_dir, "f")
+    write_file(path, data)
+    eng = phx.Engine()
+    files = [phx.open(path, "r", engine=eng) for _ in range(300)]
+    try:
+        for i, f in enumerate(files):
+            b = bytearray(64)
+            assert f.pread(b, i * 64) == 64
+            assert_same(b, data[i * 64:(i + 1) * 64], f"file {i}")
+    finally:
+        for f in files:
+            f.close()
+
+
+# ---- filesystems without O_DIRECT ---------------------------------------------
+
+@pytest.mark.parametrize("mode", ["r+", "w", "w+", "x", "x+"])
+def test_no_odirect_filesystem_refused_clearly(ramfs_dir, mode):
+    path = os.path.join(ramfs_dir, "f")
+    if mode == "r+":
+        write_file(path, b"abc")
+    with pytest.raises(OSError) as ei:
+        phx.open(path, mode)
+    e = ei.value
+    assert e.errno == errno.EINVAL, f"mode {mode}: expected EINVAL (no O_DIRECT), got {e!r}"
+    assert e.filename == path or path in str(e)
+
+
+@pytest.mark.parametrize("mode", ["r", "r+", "w", "w+", "x", "x+"])
+def test_allow_buffered_on_no_odirect_filesystem(ramfs_dir, rng, mode):
+    path = os.path.join(ramfs_dir, "f")
+    old = fresh_bytes(rng, 9000)
+    if mode in ("r", "r+"):
+        write_file(path, old)
+    eng = phx.Engine()
+    with phx.open(path, mode, allow_buffered=True, engine=eng) as f:
+        assert f.direct is False
+        if mode == "r":
+            b = bytearray(5000)
+            assert f.pread(b, 3) == 5000
+            assert_same(b, old[3:5003])
+        else:
+            data = fresh_bytes(rng, 5000)
+            assert f.pwrite(data, 3) == 5000
+            if "+" in mode:
+                b = bytearray(5000)
+                assert f.pread(b, 3) == 5000
+                assert_same(b, data)
+    st = eng.stats()
+    assert st["buffered_bytes"] > 0 and st["direct_bytes"] == 0 and st["bounce_bytes"] == 0
+
+
+def test_allow_buffered_still_direct_where_possible(data_dir, rng):
+    path = os.path.join(data_dir, "f")
+    with phx.open(path, "x+", allow_buffered=True) as f:
+        assert f.direct is True
+
+
+def test_info_reports_no_odirect(ramfs_dir):
+    d = phx.info(ramfs_dir)["o_direct"]
+    assert d["available"] is False
+    assert d["reason"].strip()
+    assert os.listdir(ramfs_dir) == [], "phx.info left files behind"
