@@ -206,6 +206,9 @@ def run_worker(c: dict) -> dict:
         return {"config": "probe", "usage": cgroup_value("memory.usage_in_bytes"),
                 "base_usage_before_buffers": base_usage}
 
+    if cfg == "calibrate":
+        return calibrate(s, d, src, threads)
+
     budget = measure_budget(pinned, c.get("reserve"))
     if cfg == "baseline":
         io = MemmapIO(s, d)
@@ -327,6 +330,40 @@ def run_worker(c: dict) -> dict:
         pool.shutdown()
     io.close()
     return res
+
+
+def calibrate(s: Shape, d: str, src: np.ndarray, threads: int) -> dict:
+    """Device read (cold, phx O_DIRECT) and page-cache copy (warm preadv) bandwidths,
+    reading rows [0:prompt] of up to 256 MiB of tensors the way decode does."""
+    from phx.kv.store import KVStore
+    n = max(2, min(s.ntensors, (256 << 20) // s.tensor_bytes))
+    relays = [_sys.aligned_empty(s.tensor_bytes) for _ in range(threads)]
+    nb = s.prompt * s.row_bytes
+    out = {}
+    with ThreadPoolExecutor(threads) as pool:
+        for mode, key, passes in (("direct", "dev_read_gbps", 1),
+                                  ("pagecache", "pagecache_read_gbps", 2)):
+            st = KVStore(os.path.join(d, mode), mode=mode)
+            ts = [st.allocate_tensor(i, "k", s.tshape, s.dtype) for i in range(n)]
+            for t in ts:
+                st.write(t, 0, src)
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                list(pool.map(lambda it: st.read(it[1], 0, s.prompt,
+                                                 out=relays[it[0] % threads][:nb]),
+                              enumerate(ts)))
+                dt = time.perf_counter() - t0
+            out[key] = n * nb / dt / 1e9
+            st.destroy()
+    a, b = _sys.aligned_empty(nb), _sys.aligned_empty(nb)
+    a[:] = 1
+    t0 = time.perf_counter()
+    for _ in range(20):
+        np.copyto(b, a)
+    out["memcpy_gbps"] = 20 * nb / (time.perf_counter() - t0) / 1e9
+    out["config"] = "calibrate"
+    out["bytes"] = n * nb
+    return out
 
 
 def _plain_one(job: CopyJob, relay: np.ndarray) -> int:

@@ -1,0 +1,351 @@
+"""``phx bench kv``: FlexLLMGen's KV I/O under real memory caps, four ways side by side.
+
+For every cap (a fraction of the KV working set, on top of the worker's own fixed
+memory) and every configuration -- ``baseline`` (FlexLLMGen's per-tensor memmaps),
+``cachepolicy`` (the same + ``posix_fadvise(DONTNEED)`` past the budget), ``direct``
+(everything O_DIRECT through phx) and ``dual`` (phx.kv dual-path + adaptive
+pipeline) -- the page cache is dropped, a memory cgroup with that cap is created and
+a worker process replays prefill + decode inside it (``phx.bench._kv_worker``).
+
+Reported per row: prefill and decode time, per-step decode time, the page-cache hit
+rate of the decode reads (``cachestat`` on each range just before reading it), and
+the bytes the worker read from the device (``/proc/self/io``).  Per cap: the ratios
+to the baseline and the physical ideal decode time (cached bytes / page-cache copy
+bandwidth + the rest / device read bandwidth, both measured in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from phx.bench import _common
+
+MiB = 1 << 20
+CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
+LABELS = {"baseline": "Baseline (FlexLLMGen memmap)", "cachepolicy": "CachePolicy-only",
+          "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (FlexLLMGen's KV layout; OPT-6.7B by default)")
+    g.add_argument("--layers", type=int, default=32)
+    g.add_argument("--hidden", type=int, default=4096)
+    g.add_argument("--heads", type=int, default=32)
+    g.add_argument("--batch", type=int, default=1,
+                   help="batch size (default 1: the paper's 32 scaled to this box)")
+    g.add_argument("--prompt", type=int, default=512)
+    g.add_argument("--gen", type=int, default=32)
+    g.add_argument("--dtype", default="float16")
+    p.add_argument("--caps", default="0.2,0.4,0.6,0.8,0.9,1.0,1.2",
+                   help="caps as fractions of the KV working set (added to the worker's "
+                        "fixed memory, measured first)")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--repeat", type=int, default=3, help="runs per cap x configuration")
+    p.add_argument("--threads", type=int, default=2, help="copy threads")
+    p.add_argument("--reserve", type=int, default=None,
+                   help="budgeter reserve in bytes (default 8 MiB + 2%% of the headroom)")
+    p.add_argument("--no-dma", action="store_true",
+                   help="skip the relay -> destination copy that stands in for H2D")
+    p.add_argument("--dir", default=None,
+                   help="where the KV files go (default: a temporary dir under results/)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per worker")
+
+
+def _worker_argv(conf: dict, out: str) -> list[str]:
+    return [sys.executable, "-m", "phx.bench._kv_worker", json.dumps(conf), out]
+
+
+def _run_in_cgroup(conf: dict, limit: int | None, timeout: float) -> dict:
+    from phx.bench._kv_cgroup import MemCgroup
+    name = f"phx-kv-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
+    fd, out = tempfile.mkstemp(prefix="phx-kv-", suffix=".json")
+    os.close(fd)
+    cg = MemCgroup(name, limit)
+    try:
+        proc = cg.popen(_worker_argv(conf, out), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, env=_child_env())
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            return {"config": conf["config"], "error": f"timeout after {timeout} s"}
+        ooms = cg.oom_kills()
+        if proc.returncode != 0:
+            msg = (err or "").strip().splitlines()[-1:] or [""]
+            return {"config": conf["config"],
+                    "error": f"worker exit {proc.returncode}"
+                             f"{' (OOM-killed)' if ooms else ''}: {msg[0]}"}
+        with open(out) as f:
+            res = json.load(f)
+        res["oom_kills"] = ooms
+        return res
+    finally:
+        cg.close()
+        os.unlink(out)
+        shutil.rmtree(conf["dir"], ignore_errors=True)
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def ideal_decode_s(shape, cached_bytes: float, copy_bw: float, dev_bw: float) -> float:
+    """Decode time if ``cached_bytes`` of KV stay cached and the rest streams at ``dev_bw``."""
+    t = 0.0
+    for i in range(shape.gen - 1):
+        b = 2 * shape.layers * (shape.prompt + i) * shape.row_bytes
+        c = min(cached_bytes, b)
+        t += c / copy_bw + (b - c) / dev_bw
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    from phx.bench._kv_cgroup import can_create
+    from phx.bench._kv_worker import Shape
+    ok, why = can_create()
+    if not ok:
+        print(f"phx bench kv: {why}; the benchmark needs real memory cgroups", file=sys.stderr)
+        return 1
+    base_conf = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                 "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
+                 "dtype": args.dtype, "threads": args.threads, "reserve": args.reserve,
+                 "dma": not args.no_dma}
+    shape = Shape(base_conf)
+    ws = shape.working_set
+    fracs = [float(x) for x in args.caps.split(",") if x.strip()]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in CONFIGS:
+            print(f"unknown configuration {c!r}; choose from {CONFIGS}", file=sys.stderr)
+            return 2
+    root = args.dir or os.path.join("results", "kv-data")
+    os.makedirs(root, exist_ok=True)
+    root = os.path.abspath(root)
+
+    print(f"KV working set: {args.layers} layers x K,V of {shape.tshape} {args.dtype} = "
+          f"{ws / MiB:.1f} MiB; decode reads {_gen_read_bytes(shape) / 1e9:.2f} GB in "
+          f"{args.gen - 1} steps; files under {root}")
+    # the worker's fixed memory (interpreter, numpy, phx, copy and destination buffers)
+    _common.drop_caches()
+    probe = _run_in_cgroup({**base_conf, "config": "probe", "dir": os.path.join(root, "p")},
+                           None, args.timeout)
+    if "error" in probe:
+        print(f"probe failed: {probe['error']}", file=sys.stderr)
+        return 1
+    fixed = int(probe["usage"])
+    print(f"worker fixed memory (measured in its cgroup): {fixed / MiB:.1f} MiB; "
+          f"cap = fixed + fraction x working set")
+    # bandwidths for the ideal line
+    _common.drop_caches()
+    cal = _run_in_cgroup({**base_conf, "config": "calibrate", "dir": os.path.join(root, "c")},
+                         None, args.timeout)
+    if "error" in cal:
+        print(f"calibration failed: {cal['error']}", file=sys.stderr)
+        return 1
+    print(f"device read {cal['dev_read_gbps']:.2f} GB/s (phx O_DIRECT, cold), page-cache "
+          f"copy {cal['pagecache_read_gbps']:.2f} GB/s (warm preadv)")
+
+    caps = [(f, fixed + int(f * ws)) for f in fracs]
+    total = len(caps) * len(configs) * args.repeat
+    bar = _common.progress(total, "kv", enabled=not args.no_progress)
+    raw: list[dict] = []
+    for rep in range(args.repeat):
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        for f, cap in caps:
+            for cfg in order:
+                _common.drop_caches()
+                conf = {**base_conf, "config": cfg, "seed": rep + 1,
+                        "dir": os.path.join(root, f"{cfg}-{rep}")}
+                res = _run_in_cgroup(conf, cap, args.timeout)
+                res.update({"cap_bytes": cap, "cap_fraction": f, "repeat": rep})
+                raw.append(res)
+                bar.update(1)
+                bar.write(_row_line(res))
+    bar.close()
+
+    rows, per_cap = _aggregate(raw, caps, configs, shape, cal, fixed, ws)
+    headers = ["cap MiB", "cap/WS", "config", "prefill s", "decode s", "step ms",
+               "hit %", "dev read GB", "ideal s", "dec/base", "pre/base", "spread"]
+    table = []
+    for r in rows:
+        table.append([f"{r['cap_bytes'] / MiB:.0f}", f"{r['cap_fraction']:.2f}", r["config"],
+                      _f(r["prefill_s"]), _f(r["decode_s"]),
+                      _f(r["decode_step_s"] * 1e3 if r["decode_step_s"] else None),
+                      _f(r["hit_rate"] * 100 if r["hit_rate"] is not None else None),
+                      _f(r["decode_device_read_bytes"] / 1e9
+                         if r["decode_device_read_bytes"] is not None else None),
+                      _f(r["ideal_decode_s"]), _f(r.get("ratio_decode_vs_baseline")),
+                      _f(r.get("ratio_prefill_vs_baseline")),
+                      f"{r['decode_s_spread'] * 100:.0f}%" if r["decode_s_spread"] is not None
+                      else "-"])
+    print(_common.fmt_table(headers, table))
+    choices = [x["pipeline"]["choice"] for x in raw if x.get("pipeline")]
+    if choices:
+        print("adaptive pipeline choices (dual):",
+              {c: choices.count(c) for c in sorted(set(choices))})
+    bad = [x for x in raw if x.get("error") or x.get("verified") is False]
+    for x in bad:
+        print(f"row failed: cap {x['cap_bytes'] / MiB:.0f} MiB {x['config']}: "
+              f"{x.get('error', 'data did not verify')}")
+    _common.write_json(args.json, {
+        "benchmark": "kv",
+        "command": "phx bench kv " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "kv"]
+                                                else sys.argv[1:]),
+        "workload": {**base_conf, "tensor_shape": shape.tshape, "working_set_bytes": ws,
+                     "decode_read_bytes": _gen_read_bytes(shape)},
+        "worker_fixed_bytes": fixed,
+        "calibration": cal,
+        "rows": rows,
+        "per_cap": per_cap,
+        "raw": raw,
+    })
+    if args.plot:
+        plot(rows, per_cap, args.plot, shape, ws)
+    return 1 if bad else 0
+
+
+def _gen_read_bytes(shape) -> int:
+    return sum(2 * shape.layers * (shape.prompt + i) * shape.row_bytes
+               for i in range(shape.gen - 1))
+
+
+def _f(x):
+    return "-" if x is None else float(x)
+
+
+def _row_line(r: dict) -> str:
+    head = f"cap {r['cap_bytes'] / MiB:7.1f} MiB ({r['cap_fraction']:.2f} WS) {r['config']:12s}"
+    if r.get("error"):
+        return head + "  ERROR " + r["error"]
+    hr = r.get("hit_rate")
+    s = (f"{head} prefill {r['prefill_s']:6.3f} s  decode {r['decode_s']:6.3f} s  "
+         f"hit {hr * 100 if hr is not None else float('nan'):5.1f}%  "
+         f"dev read {r['decode_device_read_bytes'] / 1e9:5.2f} GB")
+    if r.get("pipeline"):
+        s += f"  P·P {r['pipeline']['choice']}"
+    if r.get("plan") and "layers_pagecache" in r["plan"]:
+        s += f"  n1 {len(r['plan']['layers_pagecache'])}"
+    return s
+
+
+def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
+    rows = []
+    per_cap = []
+    for f, cap in caps:
+        ideal = ideal_decode_s(shape, max(0.0, f * ws), cal["pagecache_read_gbps"] * 1e9,
+                               cal["dev_read_gbps"] * 1e9)
+        cap_rows = {}
+        for cfg in configs:
+            runs = [x for x in raw if x["cap_bytes"] == cap and x["config"] == cfg
+                    and not x.get("error")]
+            r = {"cap_bytes": cap, "cap_fraction": f, "kv_cap_bytes": cap - fixed,
+                 "config": cfg, "runs": len(runs), "ideal_decode_s": ideal,
+                 "errors": [x["error"] for x in raw if x["cap_bytes"] == cap
+                            and x["config"] == cfg and x.get("error")]}
+            for key in ("prefill_s", "decode_s", "hit_rate", "decode_device_read_bytes",
+                        "prefill_device_write_bytes", "decode_device_write_bytes",
+                        "peak_usage"):
+                vals = [x[key] for x in runs if x.get(key) is not None]
+                if vals:
+                    med, spread = _common.median_spread(vals)
+                    r[key] = med
+                    r[key + "_spread"] = spread
+                else:
+                    r[key] = None
+                    r[key + "_spread"] = None
+            steps = [s for x in runs for s in x["decode_step_s"][1:]]
+            r["decode_step_s"] = _common.median_spread(steps)[0] if steps else None
+            if cfg == "dual":
+                r["pipeline_choices"] = [x["pipeline"]["choice"] for x in runs
+                                         if x.get("pipeline")]
+                r["n1_layers"] = [len(x["plan"]["layers_pagecache"]) for x in runs]
+            cap_rows[cfg] = r
+            rows.append(r)
+        base = cap_rows.get("baseline")
+        pc = {"cap_bytes": cap, "cap_fraction": f, "ideal_decode_s": ideal}
+        for cfg, r in cap_rows.items():
+            if base and base.get("decode_s") and r.get("decode_s"):
+                r["ratio_decode_vs_baseline"] = r["decode_s"] / base["decode_s"]
+                r["ratio_prefill_vs_baseline"] = r["prefill_s"] / base["prefill_s"]
+                pc[f"ratio_decode_vs_baseline_{cfg}"] = r["ratio_decode_vs_baseline"]
+                pc[f"ratio_prefill_vs_baseline_{cfg}"] = r["ratio_prefill_vs_baseline"]
+        d = cap_rows.get("dual")
+        if d is not None:
+            pc["ratio_decode_vs_baseline"] = d.get("ratio_decode_vs_baseline")
+            pc["ratio_prefill_vs_baseline"] = d.get("ratio_prefill_vs_baseline")
+            others = [cap_rows[c]["decode_s"] for c in cap_rows
+                      if c != "dual" and cap_rows[c].get("decode_s")]
+            if others and d.get("decode_s"):
+                pc["dual_decode_vs_best_other"] = d["decode_s"] / min(others)
+        per_cap.append(pc)
+    return rows, per_cap
+
+
+def plot(rows, per_cap, path, shape, ws) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    styles = {"baseline": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
+              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D")}
+    for cfg in CONFIGS:
+        rs = [r for r in rows if r["config"] == cfg and r.get("decode_s")]
+        if not rs:
+            continue
+        x = [r["cap_bytes"] / MiB for r in rs]
+        c, m = styles[cfg]
+        ax[0].plot(x, [r["prefill_s"] for r in rs], color=c, marker=m, label=LABELS[cfg])
+        ax[1].plot(x, [r["decode_s"] for r in rs], color=c, marker=m, label=LABELS[cfg])
+        if rs[0].get("hit_rate") is not None:
+            ax[2].plot(x, [100 * (r["hit_rate"] or 0) for r in rs], color=c, marker=m,
+                       label=LABELS[cfg])
+    xi = [p["cap_bytes"] / MiB for p in per_cap]
+    ax[1].plot(xi, [p["ideal_decode_s"] for p in per_cap], "k--", label="physical ideal")
+    fixed = rows[0]["cap_bytes"] - rows[0]["kv_cap_bytes"] if rows else 0
+    for a in ax:
+        a.axvline((fixed + ws) / MiB, color="grey", lw=0.8, ls=":")
+        a.set_xlabel("memory cap (MiB; dotted: fixed + KV working set)")
+        a.grid(alpha=0.3)
+    ax[0].set_ylabel("prefill latency (s)")
+    ax[1].set_ylabel(f"decode latency, {shape.gen - 1} steps (s)")
+    ax[2].set_ylabel("page-cache hit rate of decode reads (%)")
+    ax[0].set_title("Prefill")
+    ax[1].set_title("Decode")
+    ax[2].set_title("Page-cache hit rate")
+    ax[1].legend(fontsize=8)
+    fig.suptitle(f"phx bench kv: {shape.layers} layers, KV {shape.tshape} fp16 x "
+                 f"{2 * shape.layers} = {ws / MiB:.0f} MiB, prompt {shape.prompt}, "
+                 f"gen {shape.gen}", fontsize=10)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m phx.bench.kv [--worker CONF OUT | bench options]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        from phx.bench._kv_worker import main as worker_main
+        return worker_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m phx.bench.kv", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

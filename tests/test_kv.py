@@ -1,0 +1,429 @@
+"""phx.kv: planner, extents, both I/O paths, release of space, budgeter, pipeline, bench."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from phx.kv import (CROSS, DIRECT, INTRA, PAGECACHE, AdaptivePipeline, CopyJob,
+                    ExtentAllocator, KVStore, cgroup_memory, measure_budget,
+                    parse_proc_cgroup, place_layers)
+from phx.kv import _sys
+from phx.kv.budget import UNLIMITED, Budget
+
+MiB = 1 << 20
+ROOT = os.geteuid() == 0
+
+
+# -- Algorithm 1 --------------------------------------------------------------------
+def test_place_budget_zero_all_direct():
+    p = place_layers([100] * 8, 0)
+    assert p.n1 == 0 and p.groups == (DIRECT,) * 8
+    assert p.group1_bytes == 0 and p.group2_bytes == 800
+
+
+def test_place_partial_prefix():
+    p = place_layers([100] * 8, 350)
+    assert p.n1 == 3
+    assert p.groups == (PAGECACHE,) * 3 + (DIRECT,) * 5
+    assert p.group1_bytes == 300 and p.group2_bytes == 500
+    # exact fit
+    assert place_layers([100] * 8, 400).n1 == 4
+
+
+def test_place_budget_at_least_all():
+    assert place_layers([100] * 8, 800).groups == (PAGECACHE,) * 8
+    assert place_layers([100] * 8, 10**12).n1 == 8
+
+
+def test_place_is_a_prefix():
+    # a big layer that does not fit stops the prefix; later small layers stay direct
+    p = place_layers([100, 500, 10, 10], 200)
+    assert p.groups == (PAGECACHE, DIRECT, DIRECT, DIRECT)
+
+
+def test_store_plan_follows_budget(tmp_path):
+    shape = (16, 4, 128)                       # 16 KiB per tensor
+    for budget, n1 in ((0, 0), (3 * 32 * 1024 + 100, 3), (10 * MiB, 6)):
+        st = KVStore(str(tmp_path / f"b{budget}"), budget=budget)
+        for L in range(6):
+            st.allocate(L, shape, np.float16)
+        plan = st.plan()
+        assert plan.n1 == n1, str(plan)
+        groups = [t.group for t in st.tensors()]
+        assert groups == [PAGECACHE] * (2 * n1) + [DIRECT] * (2 * (6 - n1))
+        assert "B_pc" in str(plan) and "Group 2" in str(plan)
+        # binding is logical: nothing was materialized, no space used yet
+        assert all(not t.materialized for t in st.tensors())
+        if st.slab_path:
+            assert os.stat(st.slab_path).st_blocks == 0
+        st.destroy()
+
+
+# -- sequential extents ---------------------------------------------------------------
+def test_extent_run_invariants():
+    a = ExtentAllocator(4096)
+    sizes = [5000, 4096, 1, 12288, 7000]
+    run = a.allocate_run(sizes)
+    assert run[0].start == 0
+    for e, s in zip(run, sizes):
+        assert e.start % 4096 == 0 and e.length % 4096 == 0 and e.length >= s
+        assert e.nbytes == s
+    for x, y in zip(run, run[1:]):
+        assert y.start == x.start + x.length              # start(n+1) = start(n) + bytes(n)
+    run2 = a.allocate_run([4096, 4096])
+    assert run2[0].start == run[-1].end and run2[1].start == run2[0].end
+    a.check()
+
+
+def test_extent_reuse_keeps_runs_contiguous():
+    a = ExtentAllocator(4096)
+    ex = a.allocate_run([8192] * 6)
+    a.free(ex[1])
+    a.free(ex[2])                                     # coalesces into one 16 KiB hole
+    assert a.holes == [(8192, 16384)]
+    r = a.allocate_run([8192, 8192])                  # fits the hole exactly, in order
+    assert [e.start for e in r] == [8192, 16384]
+    assert a.holes == []
+    r3 = a.allocate_run([8192, 8192, 8192])          # no hole fits: goes to the tail, whole
+    assert r3[0].start == ex[-1].end
+    assert r3[1].start == r3[0].end and r3[2].start == r3[1].end
+    a.free(ex[3])
+    big = a.allocate_run([8192, 8192])               # 8 KiB hole is too small: tail
+    assert big[0].start == r3[-1].end
+    a.check()
+
+
+def test_extent_tail_pullback_and_capacity():
+    a = ExtentAllocator(4096, capacity=64 * 1024)
+    ex = a.allocate_run([16384] * 4)
+    with pytest.raises(OSError):
+        a.allocate(1)
+    a.free(ex[3])
+    assert a.tail == 3 * 16384
+    a.free(ex[2])
+    assert a.tail == 2 * 16384 and a.holes == []
+    assert a.allocate(16384).start == 2 * 16384
+
+
+def test_extent_random_alloc_free():
+    rng = np.random.default_rng(7)
+    a = ExtentAllocator(4096)
+    live = []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(int(rng.integers(len(live)))))
+        else:
+            run = a.allocate_run([int(s) for s in rng.integers(1, 40000, int(rng.integers(1, 4)))])
+            for x, y in zip(run, run[1:]):
+                assert y.start == x.end
+            live.extend(run)
+        a.check()
+    for e in live:
+        a.free(e)
+    assert a.tail == 0 and a.holes == [] and a.used == 0
+
+
+# -- data through both paths ----------------------------------------------------------
+def _rand(rng, shape, dtype):
+    raw = rng.integers(1, 255, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                       dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def _eq(a, b) -> bool:
+    """Byte equality (random bytes may be NaNs)."""
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("shape,dtype", [((40, 8, 128), np.float16),     # 2 KiB rows
+                                         ((37, 3, 5), np.float16),       # 30-byte rows
+                                         ((33, 1029), np.float32)])      # unaligned rows
+def test_readback_both_paths(tmp_path, shape, dtype):
+    rng = np.random.default_rng(1)
+    layers = 4
+    pair = 2 * ((int(np.prod(shape)) * np.dtype(dtype).itemsize + 4095) // 4096 * 4096)
+    st = KVStore(str(tmp_path), budget=2 * pair)      # layers 0-1 page cache, 2-3 direct
+    ts = [t for L in range(layers) for t in st.allocate(L, shape, dtype)]
+    st.plan()
+    assert {t.group for t in ts[:4]} == {PAGECACHE} and {t.group for t in ts[4:]} == {DIRECT}
+    data = [_rand(rng, shape, dtype) for _ in ts]
+    rows = shape[0]
+    for t, d in zip(ts, data):
+        st.write(t, 0, d[:rows - 5])                  # prefill-like
+        for r in range(rows - 5, rows):               # decode-like single rows, up to the last
+            st.write(t, r, d[r:r + 1])
+    for t, d in zip(ts, data):
+        assert _eq(st.read(t), d)
+        assert _eq(st.read(t, rows - 1, rows), d[rows - 1:])       # last row
+        for a, b in ((0, 1), (3, 17), (5, rows), (rows - 7, rows - 2), (11, 12)):
+            out = np.empty((b - a,) + shape[1:], dtype)
+            st.read(t, a, b, out=out)
+            assert _eq(out, d[a:b]), (t, a, b)
+    # overwrite an unaligned middle range, re-check neighbours survive
+    t, d = ts[-1], data[-1]
+    new = _rand(rng, (4,) + shape[1:], dtype)
+    st.write(t, 9, new)
+    d[9:13] = new
+    assert _eq(st.read(t), d)
+    with pytest.raises(IndexError):
+        st.read(t, 0, rows + 1)
+    with pytest.raises(ValueError):
+        st.read(t, 0, 2, out=np.empty((3,) + shape[1:], dtype))
+    st.destroy()
+
+
+def test_readback_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    st = KVStore(str(tmp_path), budget=0)             # all direct
+    k, v = st.allocate(0, (20, 4, 64), torch.bfloat16)
+    x = torch.randn(20, 4, 64).to(torch.bfloat16)
+    st.write(k, 0, x)
+    st.write(v, 0, x[:7].contiguous())
+    y = st.read(k)
+    assert isinstance(y, torch.Tensor) and torch.equal(y, x)
+    out = torch.empty(5, 4, 64, dtype=torch.bfloat16)
+    st.read(v, 2, 7, out=out)
+    assert torch.equal(out, x[2:7])
+    st.destroy()
+
+
+def test_direct_reads_bypass_page_cache(tmp_path):
+    rng = np.random.default_rng(3)
+    st = KVStore(str(tmp_path), budget=0)
+    k, _ = st.allocate(0, (64, 16, 128), np.float16)  # 256 KiB
+    st.write(k, 0, _rand(rng, k.shape, np.float16))
+    st.read(k)
+    if _sys.cachestat_available():
+        cached, pages = st.cached_pages(k)
+        assert pages == 64 and cached == 0
+    st.destroy()
+
+
+# -- release of space -------------------------------------------------------------------
+def test_free_and_destroy_release_blocks(tmp_path):
+    rng = np.random.default_rng(5)
+    shape = (256, 16, 128)                            # 1 MiB per tensor
+    pair = 2 * MiB
+    st = KVStore(str(tmp_path), budget=pair)          # layer 0 page cache, 1-2 direct
+    ts = [t for L in range(3) for t in st.allocate(L, shape, np.float16)]
+    for t in ts:
+        st.write(t, 0, _rand(rng, shape, np.float16))
+    os.sync()
+    slab, pc = st.slab_path, st.pagecache_path
+    b_slab, b_pc = os.stat(slab).st_blocks * 512, os.stat(pc).st_blocks * 512
+    assert b_slab >= 4 * MiB and b_pc >= 2 * MiB
+    st.free(ts[-1])                                   # one direct tensor
+    assert os.stat(slab).st_blocks * 512 <= b_slab - MiB
+    st.free(ts[0])                                    # one page-cache tensor
+    assert os.stat(pc).st_blocks * 512 <= b_pc - MiB
+    # a freed extent is reused by the next tensor of the same size
+    t2 = st.allocate_tensor(9, "k", shape, np.float16)
+    st.plan()
+    st.write(t2, 0, _rand(rng, shape, np.float16))
+    st.destroy(unlink=False)
+    assert os.stat(slab).st_blocks == 0 and os.stat(pc).st_blocks == 0
+    st2 = KVStore(str(tmp_path / "u"), budget=0)
+    k, _ = st2.allocate(0, shape, np.float16)
+    st2.write(k, 0, _rand(rng, shape, np.float16))
+    p = st2.slab_path
+    st2.destroy()
+    assert not os.path.exists(p)
+    with pytest.raises(ValueError):
+        st2.read(k)
+
+
+# -- budgeter -------------------------------------------------------------------------
+def test_parse_proc_cgroup():
+    v1 = "12:memory:/phx/a\n11:cpu,cpuacct:/x\n0::/user.slice\n"
+    assert parse_proc_cgroup(v1) == {"v1": "/phx/a", "v2": "/user.slice"}
+    assert parse_proc_cgroup("0::/system.slice/x.service\n") == {"v2": "/system.slice/x.service"}
+
+
+def _mk(d, files):
+    os.makedirs(d, exist_ok=True)
+    for k, v in files.items():
+        with open(os.path.join(d, k), "w") as f:
+            f.write(v)
+
+
+def test_cgroup_files_v1_and_v2(tmp_path):
+    # v1: the child has no limit of its own, its parent has 1 GiB: the parent binds
+    r1 = tmp_path / "v1"
+    _mk(r1 / "memory", {"memory.limit_in_bytes": str(UNLIMITED * 8),
+                        "memory.usage_in_bytes": "0", "memory.stat": ""})
+    _mk(r1 / "memory" / "p", {"memory.limit_in_bytes": str(1 << 30),
+                              "memory.usage_in_bytes": str(300 * MiB),
+                              "memory.stat": f"total_inactive_file {100 * MiB}\n"})
+    _mk(r1 / "memory" / "p" / "c", {"memory.limit_in_bytes": "9223372036854771712",
+                                    "memory.usage_in_bytes": str(200 * MiB),
+                                    "memory.stat": "total_inactive_file 0\n"})
+    cg = cgroup_memory(root=str(r1), proc_cgroup="5:memory:/p/c\n")
+    assert cg.version == 1 and len(cg.levels) == 3
+    assert cg.binding.limit == 1 << 30
+    assert cg.binding.headroom == (1 << 30) - 300 * MiB + 100 * MiB
+    # v2
+    r2 = tmp_path / "v2"
+    _mk(r2, {"cgroup.controllers": "cpu memory", "memory.stat": ""})
+    _mk(r2 / "a", {"memory.max": str(512 * MiB), "memory.current": str(100 * MiB),
+                   "memory.stat": f"anon 1\ninactive_file {10 * MiB}\n"})
+    cg2 = cgroup_memory(root=str(r2), proc_cgroup="0::/a\n")
+    assert cg2.version == 2 and cg2.binding.limit == 512 * MiB
+    assert cg2.binding.headroom == 422 * MiB
+    b = Budget(8 << 30, cg2, pinned=50 * MiB, reserve=12 * MiB)
+    assert b.bytes == 360 * MiB
+    assert "B_pc" in b.explain()
+    _mk(r2 / "m", {"memory.max": "max", "memory.current": "5", "memory.stat": ""})
+    cg3 = cgroup_memory(root=str(r2), proc_cgroup="0::/m\n")
+    assert cg3.binding is None
+    assert Budget(1 << 30, cg3, 0, 0).bytes == 1 << 30
+
+
+def test_budget_in_a_real_cgroup():
+    if not ROOT:
+        pytest.skip("creating a memory cgroup needs root")
+    from phx.bench._kv_cgroup import MemCgroup, can_create
+    ok, why = can_create()
+    if not ok:
+        pytest.skip(why)
+    limit = 256 * MiB
+    code = ("import json; from phx.kv import measure_budget; "
+            "b = measure_budget(pinned_bytes=16 << 20, reserve=8 << 20); "
+            "print(json.dumps(b.as_dict()))")
+    with MemCgroup(f"phx-test-kv-{os.getpid()}", limit) as cg:
+        p = cg.popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    b = json.loads(out)
+    assert b["cgroup_limit"] == limit, b
+    assert 0 < b["cgroup_usage"] < limit
+    assert b["budget"] == b["headroom"] - 24 * MiB
+    assert b["headroom"] <= limit - b["cgroup_usage"] + b["cgroup_inactive_file"]
+    assert b["budget"] < limit
+
+
+def test_budget_here_is_sane():
+    b = measure_budget(pinned_bytes=MiB)
+    assert 0 <= b.bytes <= b.mem_available
+
+
+# -- adaptive pipeline ----------------------------------------------------------------
+def _jobs(n, read_s=0.004, dma_s=0.002, nbytes=1 << 20):
+    def read(relay):
+        time.sleep(read_s)
+        relay[:8] = 7
+        return nbytes
+
+    def dma(relay, nb):
+        assert relay[0] == 7
+        time.sleep(dma_s)
+    return [CopyJob(read, dma) for _ in range(n)]
+
+
+def _drive(pipe, steps=5, per_step=3):
+    seen = []
+    for _ in range(steps):
+        seen.append(pipe.begin_step())
+        for _ in range(per_step):
+            pipe.run(_jobs(2))
+        pipe.end_step()
+    return seen
+
+
+@pytest.mark.parametrize("slow,expect", [(INTRA, CROSS), (CROSS, INTRA)])
+def test_pipeline_locks_the_faster_strategy(slow, expect):
+    def hook(strategy, thread, job):
+        if strategy == slow:
+            time.sleep(0.03)
+    with AdaptivePipeline(4096, threads=2, delay_hook=hook) as pipe:
+        seen = _drive(pipe)
+        assert seen[:3] == [INTRA, INTRA, CROSS]     # 1 skipped (cold), 2 intra, 3 cross
+        assert pipe.locked == expect
+        assert seen[3:] == [expect, expect]
+        rep = pipe.report()
+        assert rep["choice"] == expect and set(rep["probe"]) == {INTRA, CROSS}
+        assert rep["probe"][slow]["gbps"] < rep["probe"][expect]["gbps"]
+
+
+def test_pipeline_cross_staggers_reads():
+    active = [0]
+    peak = [0]
+    lock = threading.Lock()
+
+    def read(relay):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.003)
+        with lock:
+            active[0] -= 1
+        return 10
+
+    jobs = [CopyJob(read, lambda r, n: time.sleep(0.001)) for _ in range(6)]
+    with AdaptivePipeline(4096, threads=2, strategy=CROSS) as pipe:
+        pipe.begin_step()
+        assert pipe.run(jobs) == 60
+    assert peak[0] == 1
+    peak[0] = 0
+    with AdaptivePipeline(4096, threads=2, strategy=INTRA) as pipe:
+        pipe.begin_step()
+        pipe.run(jobs)
+    assert peak[0] == 2
+
+
+def test_pipeline_propagates_errors():
+    def bad(relay):
+        raise OSError(5, "boom")
+    with AdaptivePipeline(4096, threads=2, strategy=CROSS) as pipe:
+        pipe.begin_step()
+        with pytest.raises(OSError):
+            pipe.run([CopyJob(bad, lambda r, n: None)] + _jobs(3))
+
+
+# -- the benchmark --------------------------------------------------------------------
+TINY = {"layers": 3, "batch": 1, "hidden": 512, "heads": 4, "prompt": 24, "gen": 6,
+        "dtype": "float16", "threads": 2}
+
+
+@pytest.mark.parametrize("config", ["baseline", "cachepolicy", "direct", "dual"])
+def test_bench_worker_replay(tmp_path, config):
+    from phx.bench._kv_worker import run_worker
+    res = run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
+    assert res["verified"]
+    assert res["decode_logical_read_bytes"] == sum(6 * (24 + i) * 1024 for i in range(5))
+    assert len(res["decode_step_s"]) == 5
+    if config == "dual":
+        assert res["pipeline"]["choice"] in (INTRA, CROSS)
+    if config == "direct" and res["hit_rate"] is not None:
+        assert res["hit_rate"] == 0.0
+
+
+def test_bench_kv_cli_in_cgroups(tmp_path):
+    if not ROOT:
+        pytest.skip("memory cgroups and drop_caches need root")
+    from phx.bench._kv_cgroup import can_create
+    ok, why = can_create()
+    if not ok:
+        pytest.skip(why)
+    js = tmp_path / "kv.json"
+    png = tmp_path / "kv.png"
+    cmd = [sys.executable, "-m", "phx", "bench", "kv", "--layers", "3", "--hidden", "512",
+           "--heads", "4", "--prompt", "24", "--gen", "6", "--caps", "0.5,1.5",
+           "--repeat", "1", "--no-progress", "--dir", str(tmp_path / "d"),
+           "--json", str(js), "--plot", str(png)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(js.read_text())
+    assert len(doc["rows"]) == 8
+    assert {r["config"] for r in doc["rows"]} == {"baseline", "cachepolicy", "direct", "dual"}
+    for pc in doc["per_cap"]:
+        assert "ratio_decode_vs_baseline" in pc and "ratio_prefill_vs_baseline" in pc
+    assert all(r["runs"] == 1 for r in doc["rows"])
+    assert png.stat().st_size > 1000
