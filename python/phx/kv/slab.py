@@ -250,6 +250,11 @@ class SlabBackend(_FileBackendBase):
             raise OSError(errno.EIO, f"short direct write: {n} of {want} bytes at {offset}",
                           self.path)
 
+    def write_async(self, buf, offset: int):
+        """Start writing all of ``buf`` at ``offset``; a future whose ``result()`` is bytes."""
+        return _CheckedFuture(self._f.pwrite_async(buf, offset), memoryview(buf).nbytes,
+                              offset, self.path)
+
     def read_batch(self, items) -> None:
         """``[(buf, offset), ...]`` in one submission."""
         got = self._f.pread_batch(list(items))
@@ -268,6 +273,36 @@ class SlabBackend(_FileBackendBase):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class _CheckedFuture:
+    """A phx future whose result must be the whole request."""
+
+    def __init__(self, fut, want: int, offset: int, path: str):
+        self._fut, self._want, self._off, self._path = fut, want, offset, path
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        n = self._fut.result(timeout)
+        if n != self._want:
+            raise OSError(errno.EIO, f"short direct write: {n} of {self._want} bytes at "
+                          f"{self._off}", self._path)
+        return n
+
+
+class Done:
+    """An already-finished write (the page-cache path copies synchronously)."""
+
+    def __init__(self, n: int):
+        self._n = n
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> int:
+        return self._n
 
 
 class PageCacheBackend(_FileBackendBase):
@@ -305,6 +340,11 @@ class PageCacheBackend(_FileBackendBase):
             if n <= 0:
                 raise OSError(errno.EIO, f"short write at {offset + done}", self.path)
             done += n
+
+    def write_async(self, buf, offset: int) -> Done:
+        """Buffered writes are a copy into the page cache: done on return."""
+        self.write(buf, offset)
+        return Done(memoryview(buf).nbytes)
 
     def evict(self, ext: Extent) -> None:
         """Ask the kernel to drop ``ext``'s clean pages (``POSIX_FADV_DONTNEED``)."""

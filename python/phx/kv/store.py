@@ -302,6 +302,28 @@ class KVStore:
             be.write(view, off)
         return n
 
+    def write_async(self, t: KVTensor, start: int, src: Any):
+        """Start :meth:`write`; returns a future (``result()`` = bytes written).
+
+        The direct path submits through phx and returns at once; the page-cache path
+        copies into the cache and returns a finished future.  ``src`` must stay alive
+        and unchanged until the future is done.  Backends without ``write_async``
+        write synchronously.
+        """
+        self._check_open()
+        view = _byte_view(src, writable=False)
+        if view.nbytes % t.row_bytes:
+            raise ValueError(f"{view.nbytes} bytes is not a whole number of "
+                             f"{t.row_bytes}-byte rows")
+        be = self._ready(t)
+        off, ln = self._range(t, start, start + view.nbytes // t.row_bytes)
+        if hasattr(be, "write_async") and ln:
+            return be.write_async(view, off)
+        if ln:
+            be.write(view, off)
+        from phx.kv.slab import Done
+        return Done(ln)
+
     def read(self, t: KVTensor, start: int = 0, stop: int | None = None, out: Any = None):
         """Read rows ``[start:stop]`` into ``out`` (allocated, aligned, when None); returns it."""
         self._check_open()
