@@ -130,3 +130,29 @@ def test_batch_then_os_view_consistent(data_dir, rng):
         assert f.pread_batch([(b, off) for b, (off, _) in zip(bufs, exts)]) == [len(p) for p in payloads]
     for b, p in zip(bufs, payloads):
         assert_same(b, p)
+
+
+@pytest.mark.parametrize("stride", [300, 700, 1500, 4100, 10_007])
+def test_pwrite_batch_extending_adjacent(fs_dir, rng, stride):
+    """200 non-overlapping unaligned writes past the end of an empty file,
+    neighbours sharing blocks, in one batch: like 200 pwrite(2)s, the file is
+    exactly as long as the furthest write, every write is there, gaps are
+    zeros.  (Repeated: what this catches is a race.)"""
+    path = os.path.join(fs_dir, "ext")
+    for rep in range(3):
+        reqs = []
+        for i in range(200):
+            ln = int(rng.integers(1, stride - 7))
+            off = i * stride + int(rng.integers(0, stride - ln + 1))
+            reqs.append((fresh_bytes(rng, ln), off))
+        order = rng.permutation(200)
+        with phx.open(path, "w+") as f:
+            res = f.pwrite_batch([reqs[i] for i in order])
+        assert res == [len(reqs[i][0]) for i in order]
+        end = max(off + len(b) for b, off in reqs)
+        expected = bytearray(end)
+        for b, off in reqs:
+            expected[off:off + len(b)] = b
+        assert os.stat(path).st_size == end, f"rep {rep}: size {os.stat(path).st_size} != {end}"
+        with open(path, "rb") as g:
+            assert_same(g.read(), bytes(expected), f"rep {rep}: file after extending batch")
