@@ -18,7 +18,6 @@ int main(void)
 	const char *fifo;
 	struct phx_io io, *p = &io;
 	unsigned char buf[64], payload[64];
-	struct timespec a, b;
 	int ret, wfd;
 
 	t_seed();
@@ -34,17 +33,12 @@ int main(void)
 	io.flags = PHX_IO_NO_POLL;
 	T_CHECK(phx_submit(eng, &p, 1) == 0, "submit");
 
-	clock_gettime(CLOCK_MONOTONIC, &a);
 	ret = phx_wait(eng, &io, 50 * 1000 * 1000);
-	clock_gettime(CLOCK_MONOTONIC, &b);
 	if (ret == 0)
 		T_SKIP("the engine completed a read from an empty FIFO at once (result %" PRId64 ")",
 		       io.result);
 	T_CHECK(ret == -ETIME, "phx_wait(50 ms) on a pending request = %d", ret);
 	T_CHECK(!__atomic_load_n(&io.done, __ATOMIC_ACQUIRE), "done set after -ETIME");
-	/* it waited (loosely: not a timing test, just not an instant return) */
-	T_CHECK((b.tv_sec - a.tv_sec) * 1000000000ll + (b.tv_nsec - a.tv_nsec) >= 10 * 1000 * 1000,
-		"phx_wait returned -ETIME without waiting");
 	T_CHECK(phx_wait(eng, &io, 0) == -ETIME, "zero timeout on a pending request");
 
 	/* A file with I/O in flight cannot be closed. */
