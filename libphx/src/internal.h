@@ -120,6 +120,7 @@ struct phx_engine {
 	uint32_t inflight;	/* chunks prepared or submitted */
 	uint32_t unsubmitted;	/* SQEs prepared since the last submit */
 	uint32_t rmw_inflight;	/* chunks with rmw set */
+	int64_t spin_ns;	/* how long a reaper spins before sleeping */
 
 	struct chunk *chunks;	/* queue_depth of them */
 	struct chunk *free_chunks;
