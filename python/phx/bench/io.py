@@ -62,7 +62,7 @@ DEFAULT_SIZE = "1g"
 DEFAULT_BS = "4k,1m"
 DEFAULT_QD = "1,8,32"
 DEFAULT_OPS = "read,randread,write,randwrite"
-DEFAULT_RUNTIME = 0.5
+DEFAULT_RUNTIME = 0.4
 DEFAULT_REPEATS = 3
 
 #: The issue's acceptance checks (computed from the run, never assumed).
@@ -227,6 +227,7 @@ class Sample:
     ios: int
     seconds: float
     cpu_pct: float
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-specific counters
 
     @property
     def gbps(self) -> float:
@@ -422,6 +423,9 @@ class PhxEngine:
                 n = int(min(self.MAX_BATCH, max(min_batch, want)))
             secs = clock() - t0
             cpu = _cpu_seconds() - cpu0
+            st = eng.stats()
+            extra = {k: st[k] for k in ("sqes", "submits", "fixed_buf_ios", "bounce_ios",
+                                        "short_ios", "errors") if k in st}
         finally:
             f.close()
             if self.registered:
@@ -432,7 +436,7 @@ class PhxEngine:
             close = getattr(eng, "close", None)
             if close is not None:
                 close()
-        return Sample(done * bs, done, secs, 100.0 * cpu / secs)
+        return Sample(done * bs, done, secs, 100.0 * cpu / secs, extra)
 
 
 # ---------------------------------------------------------------------------
@@ -474,6 +478,8 @@ def summarise(rows: list[Row], engines: list[str],
                         if len(fio) == len(ss) and fio else None),
                     gbps_runs=[s.gbps for s in ss], iops_runs=[s.iops for s in ss],
                     seconds_runs=[s.seconds for s in ss])
+                if ss[-1].extra:
+                    rec["counters_last_run"] = ss[-1].extra
             else:
                 rec.update(gbps=None, iops=None, spread=None, ratio_vs_fio=None)
             if (row.key, eng) in errors:
