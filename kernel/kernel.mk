@@ -19,3 +19,21 @@ insmod: kmod
 
 rmmod:
 	$(SUDO) rmmod phx
+
+# checkpatch --strict over kernel/, with the checkpatch.pl of Debian's
+# linux-source-6.12 (unpacked once into the guest cache).
+PHX_GUEST_CACHE ?= $(HOME)/.cache/phx-guest
+PHX_CHECKPATCH := $(PHX_GUEST_CACHE)/src/linux-source-6.12/scripts/checkpatch.pl
+
+.PHONY: checkpatch
+checkpatch:
+	@if [ ! -f "$(PHX_CHECKPATCH)" ]; then \
+		mkdir -p $(PHX_GUEST_CACHE)/deb $(PHX_GUEST_CACHE)/src && \
+		cd $(PHX_GUEST_CACHE)/deb && \
+		apt-get download -o APT::Sandbox::User=root linux-source-6.12 >/dev/null && \
+		dpkg-deb --fsys-tarfile linux-source-6.12_*.deb | \
+		tar -xO ./usr/src/linux-source-6.12.tar.xz | xz -dc -T0 | \
+		tar -x -C $(PHX_GUEST_CACHE)/src --wildcards 'linux-source-6.12/scripts/*'; \
+	fi
+	cd kernel && perl $(PHX_CHECKPATCH) --strict --no-tree -f \
+		$$(ls *.c *.h include/uapi/*.h) Kbuild Makefile

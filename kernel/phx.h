@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * phx.h - private declarations shared by the files of phx.ko.
+ * Private declarations shared by the files of phx.ko.
  */
 #ifndef _PHX_H
 #define _PHX_H
@@ -75,7 +75,7 @@ struct phx_reg {
 	struct phx_p2p_dev *p2p;
 	void *p2p_group;
 	void *p2p_kaddr;
-	struct mutex lock;
+	struct mutex lock;		/* serialises live, mapping, teardown */
 	bool live;
 	struct work_struct teardown_work;
 };

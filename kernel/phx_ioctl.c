@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * phx_ioctl.c - the ioctl entry points of /dev/phx.
+ * The ioctl entry points of /dev/phx.
  *
  * Every argument is copied in, checked field by field (version, reserved
  * fields, unknown flags, alignment, overflow, limits) and only then acted

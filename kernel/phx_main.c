@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * phx_main.c - /dev/phx: map registered device memory, backed by
+ * /dev/phx: map registered device memory, backed by
  * ZONE_DEVICE struct pages, into user space so that O_DIRECT I/O can DMA
  * between a storage device and that memory with no host copy.
  *
@@ -163,7 +163,7 @@ void phx_reg_revoke_async(struct phx_reg *reg)
 /* The per-open state                                                       */
 
 struct phx_file {
-	struct mutex lock;
+	struct mutex lock;		/* protects regs */
 	struct list_head regs;
 };
 

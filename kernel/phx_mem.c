@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * phx_mem.c - struct pages for registered device memory.
+ * Struct pages for registered device memory.
  *
  * Two ways, chosen per registration:
  *

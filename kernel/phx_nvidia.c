@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * phx_nvidia.c - provider: the caller's own GPU memory through the NVIDIA
+ * Provider: the caller's own GPU memory through the NVIDIA
  * driver's documented peer-to-peer API (nv-p2p.h).
  *
  * phx must load on machines without the NVIDIA driver, so it neither
@@ -27,52 +27,14 @@
 #include <linux/slab.h>
 
 #include "phx.h"
-
-/* ---- the documented NVIDIA peer-to-peer API, declared here ---- */
-
-#define NVIDIA_P2P_PAGE_TABLE_VERSION	0x00010002
-#define NVIDIA_P2P_VERSION_MAJOR(v)	((v) & 0xffff0000)
-
-enum nvidia_p2p_page_size_type {
-	NVIDIA_P2P_PAGE_SIZE_4KB = 0,
-	NVIDIA_P2P_PAGE_SIZE_64KB,
-	NVIDIA_P2P_PAGE_SIZE_128KB,
-	NVIDIA_P2P_PAGE_SIZE_COUNT
-};
-
-struct nvidia_p2p_page {
-	u64 physical_address;
-	union {
-		struct {
-			u32 wreqmb_h;
-			u32 rreqmb_h;
-			u32 rreqmb_0;
-			u32 reserved[3];
-		} fermi;
-	} registers;
-};
-
-struct nvidia_p2p_page_table {
-	u32 version;
-	u32 page_size;
-	struct nvidia_p2p_page **pages;
-	u32 entries;
-	u8 *gpu_uuid;
-};
-
-int nvidia_p2p_get_pages(u64 p2p_token, u32 va_space, u64 virtual_address,
-			 u64 length, struct nvidia_p2p_page_table **page_table,
-			 void (*free_callback)(void *data), void *data);
-int nvidia_p2p_put_pages(u64 p2p_token, u32 va_space, u64 virtual_address,
-			 struct nvidia_p2p_page_table *page_table);
-int nvidia_p2p_free_page_table(struct nvidia_p2p_page_table *page_table);
+#include "phx_nv_p2p.h"
 
 /* ---- resolution ---- */
 
 struct phx_nv_api {
-	typeof(&nvidia_p2p_get_pages) get_pages;
-	typeof(&nvidia_p2p_put_pages) put_pages;
-	typeof(&nvidia_p2p_free_page_table) free_page_table;
+	nvidia_p2p_get_pages_fn get_pages;
+	nvidia_p2p_put_pages_fn put_pages;
+	nvidia_p2p_free_page_table_fn free_page_table;
 	bool from_symbol_get;
 };
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * phx_pcibar.c - provider: a sub-range of any PCI memory BAR, root only.
+ * Provider: a sub-range of any PCI memory BAR, root only.
  *
  * The stand-in for GPU memory in tests (QEMU ivshmem-plain, whose BAR 2 is
  * a host file) and a way to use real device memory (NVMe CMB, FPGA/DPU
