@@ -11,7 +11,7 @@ Fixtures
 ``rand_bytes``     ``rand_bytes(n) -> bytes`` of fresh random data
 ``data_dir``       a fresh directory on the real disk (ext4 here)
 ``make_file``      ``make_file(size, dir=None, name=None) -> (path, data)``
-``fs_dir``         parametrised over ``disk`` / ``xfs`` / ``ext4img`` (loop images, root)
+``fs_dir``         parametrised over ``disk`` / ``xfs`` / ``xfs4k`` / ``ext4img`` (loop images, root)
 ``xfs_dir``, ``ext4img_dir``  directories on session-wide loop-mounted images
 ``small_tmpfs``    an 8 MiB tmpfs (root), for ENOSPC
 ``small_ext4``     a ~16 MiB loop-mounted ext4 (root), for ENOSPC
@@ -293,18 +293,26 @@ def xfs_dir(xfs_mount):
 
 
 @pytest.fixture
+def xfs4k_dir(xfs4k_mount):
+    d = _subdir(xfs4k_mount)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def ext4img_dir(ext4img_mount):
     d = _subdir(ext4img_mount)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
-FILESYSTEMS = ["disk", "xfs", "ext4img"]
+FILESYSTEMS = ["disk", "xfs", "xfs4k", "ext4img"]
 
 
 @pytest.fixture(params=FILESYSTEMS)
 def fs_dir(request, data_dir):
-    """A fresh directory on each filesystem kind: the real disk, a loop xfs, a loop ext4."""
+    """A fresh directory on each filesystem kind: the real disk, a loop xfs
+    (512-byte sectors), a loop xfs on 4096-byte sectors, a loop ext4."""
     if request.param == "disk":
         return data_dir
     return request.getfixturevalue(f"{request.param}_dir")

@@ -65,14 +65,43 @@ def test_open_a_directory(data_dir):
 
 
 def test_permission_denied(data_dir, rng):
-    if os.geteuid() == 0:
-        pytest.skip("root bypasses file permissions")
+    """EACCES as a PermissionError with the path; as root, checked in a
+    child process that drops to uid/gid 65534."""
     path = os.path.join(data_dir, "ro")
     write_file(path, b"abc")
     os.chmod(path, 0o400)
-    with pytest.raises(PermissionError) as ei:
-        phx.open(path, "r+")
-    assert ei.value.errno == errno.EACCES and ei.value.filename == path
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError) as ei:
+            phx.open(path, "r+")
+        assert ei.value.errno == errno.EACCES and ei.value.filename == path
+        return
+    for d in (data_dir, os.path.dirname(data_dir)):
+        os.chmod(d, 0o711)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        msg = b"?"
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                phx.open(path, "r+")
+                msg = b"opened"
+            except PermissionError as e:
+                msg = b"ok" if (e.errno == errno.EACCES and e.filename == path) else \
+                    repr(e).encode()[:200]
+            except BaseException as e:  # noqa: BLE001
+                msg = repr(e).encode()[:200]
+        finally:
+            os.write(w, msg)
+            os._exit(0)
+    os.close(w)
+    msg = os.read(r, 256)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert msg == b"ok", f"as uid 65534, phx.open(r+) of a 0400 root file: {msg.decode(errors='replace')}"
 
 
 # ---- read past EOF: not an error ---------------------------------------------------------
