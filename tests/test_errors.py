@@ -472,3 +472,24 @@ def test_wrong_engine_type(src):
     path, _ = src
     with pytest.raises(TypeError):
         phx.open(path, "r", engine="not an engine")
+
+
+def test_offset_types(src):
+    """Offsets are integers: anything with __index__ (numpy integers) works;
+    a float is a TypeError, as for os.pread (never silently truncated)."""
+    path, data = src
+    with phx.open(path, "r+") as f:
+        for good in (np.int64(4097), np.uint32(4097), 4097):
+            b = bytearray(10)
+            assert f.pread(b, good) == 10
+            assert_same(b, data[4097:4107], f"offset {type(good).__name__}")
+        for bad in (4096.9, 1.0, "1", None):
+            for name, op in [("pread", lambda: f.pread(bytearray(10), bad)),
+                             ("pwrite", lambda: f.pwrite(b"abcdefghij", bad)),
+                             ("pread_async", lambda: f.pread_async(bytearray(10), bad).result()),
+                             ("pread_batch", lambda: f.pread_batch([(bytearray(10), bad)])),
+                             ("truncate", lambda: f.truncate(bad))]:
+                with pytest.raises(TypeError):
+                    op()
+    with open(path, "rb") as g:
+        assert_same(g.read(), data, "file after refused calls")

@@ -390,3 +390,56 @@ def test_threads_writing_interleaved_records(data_dir, rng, extend):
         got = g.read()
     lost = [k for k in range(nthreads * per) if got[k * rec:(k + 1) * rec] != records[k]]
     assert not lost, f"{len(lost)} of {nthreads * per} records lost or torn, e.g. {lost[:10]}"
+
+
+_CLOSE_RACE = r"""
+import os, sys, threading, phx
+path = sys.argv[1]
+problems = []
+for rep in range(20):
+    f = phx.open(path, "r")
+    def worker():
+        b = bytearray(1 << 20)
+        while True:
+            try:
+                n = f.pread(b, 4097)
+                if n != len(b):
+                    problems.append(("short", n))
+                if f.pread_async(bytearray(5000), 3).result(timeout=60) != 5000:
+                    problems.append("async short")
+            except phx.ClosedFileError:
+                return
+            except BaseException as e:
+                problems.append(repr(e))
+                return
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    for t in ts:
+        t.start()
+    while True:
+        try:
+            f.close()
+            break
+        except OSError as e:
+            if e.errno != 16:  # EBUSY: requests in flight; try again
+                problems.append(("close", repr(e)))
+                break
+    for t in ts:
+        t.join(60)
+    if any(t.is_alive() for t in ts):
+        problems.append("worker hung after close")
+print("PROBLEMS", problems[:5])
+sys.exit(1 if problems else 0)
+"""
+
+
+def test_close_while_other_threads_do_io(data_dir, rng):
+    """close() while 4 threads do sync and async I/O on the file: the
+    threads see either a full result or ClosedFileError - no crash, no hang,
+    no other error.  Run in a child process so a crash is reported, not fatal."""
+    import subprocess
+    import sys
+    path = os.path.join(data_dir, "cr")
+    write_file(path, fresh_bytes(rng, 4 * MiB))
+    r = subprocess.run([sys.executable, "-c", _CLOSE_RACE, path], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
