@@ -260,6 +260,49 @@ void phx_engine_stats(phx_engine *eng, struct phx_stats *st);
 void phx_engine_stats_reset(phx_engine *eng);
 
 /* ------------------------------------------------------------------------ */
+/* Device memory through /dev/phx (phx.ko)                                  */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * With the phx kernel module loaded, device memory (a GPU range, a PCI BAR)
+ * can be mapped into this process as ZONE_DEVICE pages.  The returned host
+ * address is an ordinary buffer for phx_pread()/phx_pwrite() on O_DIRECT
+ * files: the device DMAs between the SSD and the device memory directly.
+ * Such memory must not be registered with phx_buf_register().
+ */
+typedef struct phx_devmem phx_devmem;
+
+/* struct phx_devmem_info.mode */
+enum {
+	PHX_DEVMEM_GENERIC = 1,		/* MEMORY_DEVICE_GENERIC pages */
+	PHX_DEVMEM_P2PDMA = 2,		/* MEMORY_DEVICE_PCI_P2PDMA pages */
+};
+
+struct phx_devmem_info {
+	void *addr;		/* host address of the caller's range */
+	uint64_t length;	/* bytes from addr */
+	uint32_t mode;		/* PHX_DEVMEM_* */
+	uint32_t status;	/* PHX_ST_* bits of the module (phx_uapi.h) */
+	uint32_t reserved[8];
+};
+
+/* 0 when /dev/phx is usable; else -errno and the reason (phx_strerror_last). */
+int phx_devmem_probe(void);
+
+/* Map [offset, offset + length) of a PCI BAR (root only). */
+int phx_devmem_map_pci_bar(uint32_t domain, uint32_t bus, uint32_t devfn,
+			   uint32_t bar, uint64_t offset, uint64_t length,
+			   phx_devmem **out);
+
+/* Map the caller's GPU range [gpu_va, gpu_va + length) (NVIDIA). */
+int phx_devmem_map_gpu(uint64_t gpu_va, uint64_t length, phx_devmem **out);
+
+int phx_devmem_get_info(const phx_devmem *m, struct phx_devmem_info *info);
+
+/* Unmap and unregister; I/O on the range must have completed. */
+int phx_devmem_unmap(phx_devmem *m);
+
+/* ------------------------------------------------------------------------ */
 /* Errors and version                                                       */
 /* ------------------------------------------------------------------------ */
 

@@ -94,13 +94,14 @@ def _cuda() -> dict[str, Any]:
 
 
 def _module() -> dict[str, Any]:
-    if os.path.exists("/dev/phx"):
-        return {"loaded": True, "reason": "/dev/phx present: GPU buffers can take the direct path"}
-    why = "phx.ko not loaded (make insmod)"
+    from phx import devmem
+    ok, why = devmem.available()
+    if ok:
+        return {"loaded": True, "reason": why + ": device memory can take the direct path"}
     if _read("/proc/sys/kernel/modules_disabled") == "1":
-        why = "phx.ko not loaded: kernel.modules_disabled = 1 (no module can be loaded)"
+        why += "; kernel.modules_disabled = 1 here, so no module can be loaded"
     elif "nomodule" in (_read("/proc/cmdline") or "").split():
-        why = "phx.ko not loaded: kernel booted with 'nomodule'"
+        why += "; this kernel was booted with 'nomodule'"
     return {"loaded": False, "reason": why + "; GPU data goes through pinned bounce buffers"}
 
 

@@ -103,3 +103,24 @@ cdef extern from "phx.h" nogil:
 
     const char *phx_strerror_last()
     const char *phx_version()
+
+    ctypedef struct phx_devmem:
+        pass
+
+    enum:
+        PHX_DEVMEM_GENERIC
+        PHX_DEVMEM_P2PDMA
+
+    struct phx_devmem_info:
+        void *addr
+        uint64_t length
+        uint32_t mode
+        uint32_t status
+
+    int phx_devmem_probe()
+    int phx_devmem_map_pci_bar(uint32_t domain, uint32_t bus, uint32_t devfn,
+                               uint32_t bar, uint64_t offset, uint64_t length,
+                               phx_devmem **out)
+    int phx_devmem_map_gpu(uint64_t gpu_va, uint64_t length, phx_devmem **out)
+    int phx_devmem_get_info(const phx_devmem *m, phx_devmem_info *info)
+    int phx_devmem_unmap(phx_devmem *m)
