@@ -443,3 +443,103 @@ def test_close_while_other_threads_do_io(data_dir, rng):
     r = subprocess.run([sys.executable, "-c", _CLOSE_RACE, path], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+
+def _fifo_file(data_dir):
+    fifo = os.path.join(data_dir, "fifo")
+    os.mkfifo(fifo)
+    try:
+        f = phx.open(fifo, "r+", direct=False)
+    except OSError as e:
+        pytest.skip(f"phx cannot open a FIFO ({e}); no way to hold a request pending")
+    return fifo, f
+
+
+def _feed(fifo, payload):
+    wfd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(wfd, payload)
+    finally:
+        os.close(wfd)
+
+
+def test_buffer_export_held_while_in_flight(data_dir, rng):
+    """While a request is in flight its bytearray cannot be resized (the
+    future holds a buffer export); after completion it can."""
+    fifo, f = _fifo_file(data_dir)
+    with f:
+        ba = bytearray(64)
+        fut = f.pread_async(ba, 0)
+        time.sleep(0.05)
+        if fut.done():
+            pytest.skip("the engine completed a FIFO read at once")
+        with pytest.raises(BufferError):
+            ba.extend(b"x" * 100_000)
+        payload = fresh_bytes(rng, 64)
+        _feed(fifo, payload)
+        assert fut.result(timeout=60) == 64
+        assert bytes(ba) == payload
+        del fut
+        ba.extend(b"x")  # released
+
+
+_SIGINT_WAIT = r"""
+import os, signal, sys, threading, time, phx
+fifo, timeout = sys.argv[1], (None if sys.argv[2] == "none" else float(sys.argv[2]))
+f = phx.open(fifo, "r+", direct=False)
+fut = f.pread_async(bytearray(64), 0)
+time.sleep(0.05)
+if fut.done():
+    print("SKIP"); sys.exit(0)
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    fut.result(timeout=timeout)
+    print("RETURNED")
+except KeyboardInterrupt:
+    print("INTERRUPTED")
+w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK); os.write(w, b"y" * 64); os.close(w)
+print("RESULT", fut.result(timeout=30))
+"""
+
+
+@pytest.mark.parametrize("timeout", ["none", "60"])
+def test_ctrl_c_interrupts_result(data_dir, timeout):
+    """Ctrl-C (SIGINT) interrupts a Future.result() that is waiting, like
+    concurrent.futures: KeyboardInterrupt, and the future still completes later."""
+    import subprocess
+    import sys
+    fifo = os.path.join(data_dir, "fifo")
+    os.mkfifo(fifo)
+    try:
+        r = subprocess.run([sys.executable, "-c", _SIGINT_WAIT, fifo, timeout],
+                           capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Future.result() ignored SIGINT: still waiting 10 s after Ctrl-C")
+    if "SKIP" in r.stdout:
+        pytest.skip("the engine completed a FIFO read at once")
+    assert "INTERRUPTED" in r.stdout, r.stdout + r.stderr
+    assert "RESULT 64" in r.stdout, r.stdout + r.stderr
+
+
+_EXIT_PENDING = r"""
+import sys, phx
+path = sys.argv[1]
+f = phx.open(path, "r")
+futs = [f.pread_async(bytearray(1 << 20), i * 4096) for i in range(200)]
+g = phx.open(path, "r", engine=phx.Engine())
+futs += [g.pread_async(bytearray(100000), 3) for i in range(50)]
+print("exiting")
+"""
+
+
+def test_interpreter_exit_with_requests_in_flight(data_dir, rng):
+    """Exiting without waiting for futures or closing files: exit status 0,
+    no crash, no hang (a KvikIO complaint: crashes at process exit)."""
+    import subprocess
+    import sys
+    path = os.path.join(data_dir, "f")
+    write_file(path, fresh_bytes(rng, 2 * MiB))
+    for _ in range(5):
+        r = subprocess.run([sys.executable, "-c", _EXIT_PENDING, path], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stderr[-2000:])
