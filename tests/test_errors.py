@@ -493,3 +493,38 @@ def test_offset_types(src):
                     op()
     with open(path, "rb") as g:
         assert_same(g.read(), data, "file after refused calls")
+
+
+_OBJECT_ARRAY = r"""
+import sys, numpy as np, phx
+path = sys.argv[1]
+arr = np.array([object() for _ in range(64)], dtype=object)
+with phx.open(path, "r+") as f:
+    for name, op in (("pread", lambda: f.pread(arr, 0)), ("pwrite", lambda: f.pwrite(arr, 0)),
+                     ("pread_async", lambda: f.pread_async(arr, 0).result()),
+                     ("pread_batch", lambda: f.pread_batch([(arr, 0)]))):
+        try:
+            op()
+            print("ACCEPTED", name)
+        except (TypeError, ValueError) as e:
+            print("REFUSED", name, type(e).__name__)
+print(repr(arr[:2]))  # touches the pointers: crashes if they were overwritten
+print("END")
+"""
+
+
+def test_object_array_refused(src):
+    """A numpy array of Python objects exports a buffer of PyObject pointers:
+    reading file bytes into it would corrupt the interpreter, writing it
+    would store addresses.  phx must refuse it (TypeError/ValueError).
+    Run in a child process: the failure mode is a crash."""
+    import subprocess
+    import sys
+    path, data = src
+    r = subprocess.run([sys.executable, "-c", _OBJECT_ARRAY, path], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "END" in r.stdout, \
+        f"child died (rc {r.returncode}): {r.stdout[-1000:]} {r.stderr[-1000:]}"
+    assert "ACCEPTED" not in r.stdout, r.stdout
+    with open(path, "rb") as g:
+        assert_same(g.read(), data, "file after refused object-array writes")
