@@ -263,6 +263,13 @@ struct sbuf {
 	CUdeviceptr flag_d;		/* device view */
 	struct use *head;		/* oldest unretired use (lane pops) */
 	struct use *last;		/* newest unretired use */
+	/*
+	 * Held while a use is queued on a stream, so uses get their sequence
+	 * numbers in stream order.  Never taken by the lane, and never held
+	 * with the lane's lock: a CUDA call may block (full command queue)
+	 * until the lane raises flags.
+	 */
+	pthread_mutex_t enq_lock;
 };
 
 struct lane {
@@ -516,6 +523,7 @@ static int lane_setup(phx_cuda *c, struct lane *ln, uint32_t index)
 		struct sbuf *b = &ln->bufs[k];
 
 		b->lane = ln;
+		pthread_mutex_init(&b->enq_lock, NULL);
 		b->mem = ln->mem + (size_t)k * c->cfg.buf_size;
 		/* lane-interleaved global order: consecutive chunks, other lanes */
 		b->index = k * c->nlanes + index;
@@ -821,6 +829,9 @@ static void req_put_uses(struct cureq *rq, int n)
 	for (i = 0; i < c->nlanes; i++)
 		if (rq->lf[i])
 			phx_file_close(rq->lf[i]);
+	/* events are recycled only here: a later use may still wait on one */
+	for (i = 0; i < rq->nuses; i++)
+		ev_put(c, rq->uses[i].ev);
 	ev_put(c, rq->start_ev);
 	io = rq->io;
 	pthread_mutex_destroy(&rq->lock);
@@ -860,8 +871,6 @@ static void use_retire(struct lane *ln, struct sbuf *b, struct use *u)
 		b->last = NULL;
 	ln->active--;
 	pthread_mutex_unlock(&ln->lock);
-	ev_put(ln->cuc, u->ev);
-	u->ev = NULL;
 	req_put_uses(rq, 1);
 }
 
@@ -1286,8 +1295,8 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 		}
 		ret = ev_get(c, &u->ev);
 
-		pthread_mutex_lock(&ln->lock);
-		u->seq = ++b->seq_enq;
+		pthread_mutex_lock(&b->enq_lock);
+		u->seq = b->seq_enq + 1;
 		if (!ret && io->op == PHX_OP_READ) {
 			r = gate_stream(c, s, b, u->seq);
 			if (r == CUDA_SUCCESS)
@@ -1299,13 +1308,29 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 			if (r != CUDA_SUCCESS)
 				ret = cu_fail(r, "queueing the copy to the GPU");
 		} else if (!ret) {
-			struct use *prev = b->last;
+			struct use *prev;
+			struct cureq *prq = NULL;
+			CUevent pev = NULL;
+			uint32_t pseq = 0;
 
+			/* the buffer's previous use must be over before it is filled */
+			pthread_mutex_lock(&ln->lock);
+			prev = b->last;
+			if (prev) {
+				prq = prev->rq;
+				pseq = prev->seq;
+				if (prq->op == PHX_OP_READ)
+					pev = prev->ev;
+				__atomic_add_fetch(&prq->uses_left, 1, __ATOMIC_ACQ_REL);
+			}
+			pthread_mutex_unlock(&ln->lock);
 			r = CUDA_SUCCESS;
-			if (prev && prev->rq->op == PHX_OP_READ && prev->ev)
-				r = cu.StreamWaitEvent(s, prev->ev, 0);
-			else if (prev)
-				r = gate_stream(c, s, b, prev->seq);
+			if (pev)
+				r = cu.StreamWaitEvent(s, pev, 0);
+			else if (prq)
+				r = gate_stream(c, s, b, pseq);
+			if (prq)
+				req_put_uses(prq, 1);
 			if (r == CUDA_SUCCESS)
 				r = cu.MemcpyDtoHAsync(b->mem + u->buf_off,
 						       io->devptr + (ustart - off),
@@ -1323,6 +1348,9 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 			u->failed = true;
 			req_fail(rq, ret);
 		}
+		/* fully queued: now the lane may see it */
+		pthread_mutex_lock(&ln->lock);
+		b->seq_enq = u->seq;
 		u->next = NULL;
 		if (b->last)
 			__atomic_store_n(&b->last->next, u, __ATOMIC_RELEASE);
@@ -1332,6 +1360,7 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 		ln->active++;
 		pthread_cond_signal(&ln->cond);
 		pthread_mutex_unlock(&ln->lock);
+		pthread_mutex_unlock(&b->enq_lock);
 		if (ret) {
 			k++;
 			break;

@@ -80,8 +80,7 @@ def is_available() -> tuple[bool, str]:
 def is_device_buffer(buf) -> bool:
     """True for GPU memory (CUDA torch tensors, ``__cuda_array_interface__``,
     DLPack on a CUDA device)."""
-    if _is_device_buffer is not None:
-        return bool(_is_device_buffer(buf))
+    # the interfaces first: some GPU arrays (CuPy) also fill the buffer slot
     if hasattr(buf, "__cuda_array_interface__"):
         return True
     t = sys.modules.get("torch")
@@ -93,6 +92,8 @@ def is_device_buffer(buf) -> bool:
             return dev()[0] in (2, 3, 13)
         except Exception:
             return False
+    if _is_device_buffer is not None:
+        return bool(_is_device_buffer(buf))
     return False
 
 
