@@ -129,5 +129,6 @@ int main(void)
 	T_CHECK(phx_engine_destroy(eng) == 0, "destroy");
 	for (int i = 0; i < N; i++)
 		free(bufs[i]);
+	free(bufs); free(seen); free(ptrs); free(ios); free(data);
 	return T_EXIT_PASS;
 }

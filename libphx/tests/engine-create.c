@@ -150,5 +150,6 @@ int main(void)
 		}
 		T_CHECK(phx_engine_create(NULL, NULL) == -EINVAL, "NULL out");
 	}
+	free(data);
 	return T_EXIT_PASS;
 }
