@@ -34,6 +34,8 @@ file is written and before each row, but no figure here depends on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import itertools
 import mmap
 import os
@@ -48,9 +50,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from phx.bench import _fio
-from phx.bench._common import (cpu_model, drop_caches, fmt_size, fmt_table, median_spread,
-                               parse_size, progress, storage_description, write_json)
+# No BLAS work happens here; an idle OpenBLAS thread pool would only take CPU
+# time from the engines on a small machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from phx.bench import _fio  # noqa: E402
+from phx.bench._common import (cpu_model, drop_caches, fmt_size, fmt_table,  # noqa: E402
+                               median_spread, parse_size, progress, storage_description,
+                               write_json)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -236,6 +243,20 @@ class Sample:
     @property
     def iops(self) -> float:
         return self.ios / self.seconds
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic GC off while an engine is timed (as :mod:`timeit` does): the
+    request tuples a batch allocates would otherwise trigger collections that
+    have nothing to do with I/O."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _cpu_seconds() -> float:
@@ -676,7 +697,8 @@ def run(args: argparse.Namespace) -> int:
                         bar.set_postfix_str(f"{row.op} {fmt_size(row.bs)} QD{row.qd} {e}")
                         if (row.key, e) not in errors:
                             try:
-                                s = runners[e].run(row.op, row.bs, row.qd, args.runtime)
+                                with _no_gc():
+                                    s = runners[e].run(row.op, row.bs, row.qd, args.runtime)
                                 samples.setdefault((row.key, e), []).append(s)
                             except (OSError, RuntimeError, ValueError) as exc:
                                 errors[(row.key, e)] = f"{type(exc).__name__}: {exc}"
