@@ -221,3 +221,48 @@ def test_info_reports_no_odirect(ramfs_dir):
     assert d["available"] is False
     assert d["reason"].strip()
     assert os.listdir(ramfs_dir) == [], "phx.info left files behind"
+
+
+_WRITE_ONLY_PERMS = r"""
+import os, sys, phx
+path = sys.argv[1]
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o200)
+os.close(fd)
+os.chmod(path, 0o200)
+try:
+    with phx.open(path, "w") as f:
+        assert f.pwrite(b"hello", 1) == 5
+        assert f.pwrite(b"H", 0) == 1
+        assert f.pwrite(b"x" * 5000, 3) == 5000
+        assert f.pwrite(b"y" * 4096, 8192) == 4096
+    print("OK")
+except OSError as e:
+    print("OSERROR", e.errno, repr(e), "PATH" if (e.filename == path or path in str(e)) else "NOPATH")
+"""
+
+
+def test_unaligned_writes_to_write_only_permission_file(data_dir):
+    """A file the user may write but not read (mode 0200) opened "w": like
+    os.pwrite, unaligned writes work (the engine cannot read-modify-write
+    through an O_WRONLY descriptor, so it must find another way), and any
+    error would carry the path.  Run as uid 65534 when root."""
+    import subprocess
+    import sys
+    path = os.path.join(data_dir, "wo")
+    os.chmod(data_dir, 0o777)
+    os.chmod(os.path.dirname(data_dir), 0o711)
+    r = subprocess.run([sys.executable, "-c", _WRITE_ONLY_PERMS, path], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr
+    os.chmod(path, 0o600)
+    with open(path, "rb") as g:
+        got = g.read()
+    exp = bytearray(8192 + 4096)
+    exp[1:6] = b"hello"
+    exp[0:1] = b"H"
+    exp[3:5003] = b"x" * 5000
+    exp[8192:] = b"y" * 4096
+    assert_same(got, bytes(exp), "file written through write-only permissions")
