@@ -78,9 +78,9 @@ typedef struct phx_cuda phx_cuda;
 struct phx_cuda_config {
 	uint32_t size;		/* sizeof(struct phx_cuda_config) */
 	int32_t device;		/* CUDA device ordinal (0) */
-	uint32_t lanes;		/* staging threads, one io_uring each (4) */
+	uint32_t lanes;		/* staging threads, one io_uring each (CPUs, 4..16) */
 	uint32_t bufs_per_lane;	/* pinned staging buffers per lane (4) */
-	uint32_t buf_size;	/* bytes per staging buffer (4 MiB) */
+	uint32_t buf_size;	/* bytes per staging buffer (2 MiB) */
 	uint32_t max_io_size;	/* lane engines' largest device request (1 MiB) */
 	uint32_t flags;		/* PHX_CUDA_* */
 	uint32_t reserved[9];

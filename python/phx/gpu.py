@@ -27,8 +27,9 @@ Three ways to call it:
   kernels queued before it produced.  No host synchronisation.
 
 Settings (environment, read when a context is created): ``PHX_CUDA_LANES``
-(staging threads, each with its own io_uring; 4), ``PHX_CUDA_BUFS`` (pinned
-buffers per lane; 4), ``PHX_CUDA_BUF_SIZE`` (bytes each; 4M),
+(staging threads, each with its own io_uring; CPUs, clamped to 4..16),
+``PHX_CUDA_BUFS`` (pinned buffers per lane; 4), ``PHX_CUDA_BUF_SIZE`` (bytes
+each; 2M),
 ``PHX_CUDA_MAX_IO`` (largest device request; 1M), ``PHX_CUDA_HOSTFN_GATE=1``
 (gate streams with host functions instead of cuStreamWaitValue32).
 """
