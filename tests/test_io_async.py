@@ -396,7 +396,7 @@ _CLOSE_RACE = r"""
 import os, sys, threading, phx
 path = sys.argv[1]
 problems = []
-for rep in range(20):
+for rep in range(200):
     f = phx.open(path, "r")
     def worker():
         b = bytearray(1 << 20)
