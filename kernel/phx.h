@@ -5,6 +5,7 @@
 #ifndef _PHX_H
 #define _PHX_H
 
+#include <linux/completion.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/memremap.h>
@@ -52,9 +53,10 @@ struct phx_provider {
  * @pgmap: GENERIC mode: our pagemap (nr_range == @nr_ranges).
  * @p2p: P2PDMA mode: per-device state; @p2p_group: devres group;
  *	@p2p_kaddr: what pci_alloc_p2pmem() returned.
- * @lock: serialises teardown.
+ * @lock: held to test @live and insert PTEs, to clear @live and zap.
  * @live: pages exist and may be mapped.
- * @teardown_work: deferred teardown (provider callbacks).
+ * @finish_work: the teardown after revocation (waits for I/O).
+ * @done: completed when the pages are gone.
  */
 struct phx_reg {
 	struct kref kref;
@@ -75,15 +77,17 @@ struct phx_reg {
 	struct phx_p2p_dev *p2p;
 	void *p2p_group;
 	void *p2p_kaddr;
-	struct mutex lock;		/* serialises live, mapping, teardown */
+	struct mutex lock;		/* protects live, mapping, PTE inserts */
 	bool live;
-	struct work_struct teardown_work;
+	struct work_struct finish_work;
+	struct completion done;
 };
 
 /* phx_main.c */
 extern unsigned long long phx_max_reg_bytes;
 struct page *phx_reg_page(struct phx_reg *reg, unsigned long idx);
 void phx_reg_put(struct phx_reg *reg);
+bool phx_reg_revoke(struct phx_reg *reg);
 void phx_reg_revoke_async(struct phx_reg *reg);
 u64 phx_nr_regs(void);
 u64 phx_nr_pages_busy(void);

@@ -115,48 +115,77 @@ static void phx_reg_wait_idle(struct phx_reg *reg)
 	}
 }
 
-/*
- * Revoke @reg: zap every user mapping, wait for I/O, remove the pages and
- * give the memory back to its provider.  Idempotent; may sleep.
+/**
+ * phx_reg_revoke - stop all user access to @reg now.
+ * @reg: the registration.
+ *
+ * Clears @live under @lock and zaps every user PTE of the registration (a
+ * fault or mmap that inserted one before is zapped here, none inserts one
+ * after).  Later CPU access gets SIGBUS, later I/O -EFAULT.  Pages pinned
+ * by I/O already in flight stay valid until phx_reg_finish() saw them go.
+ *
+ * Return: true for the caller that revoked it, which must then queue
+ * phx_reg_finish(); false if it was revoked already.
  */
-static void phx_reg_teardown(struct phx_reg *reg)
+bool phx_reg_revoke(struct phx_reg *reg)
 {
+	bool was_live;
+
 	mutex_lock(&reg->lock);
-	if (!reg->live) {
-		mutex_unlock(&reg->lock);
-		return;
-	}
+	was_live = reg->live;
 	WRITE_ONCE(reg->live, false);
 	reg->status |= PHX_ST_REVOKED;
-	unmap_mapping_range(reg->mapping, reg->mmap_off, reg->length, 1);
+	if (was_live && reg->mapping)
+		unmap_mapping_range(reg->mapping, reg->mmap_off, reg->length, 1);
+	mutex_unlock(&reg->lock);
+	return was_live;
+}
+
+/* True when no I/O holds a page of @reg (revoked: nothing new can). */
+static bool phx_reg_quiet(struct phx_reg *reg)
+{
+	unsigned long nr = reg->length >> PAGE_SHIFT, idx;
+
+	synchronize_rcu();
+	for (idx = 0; idx < nr; idx++)
+		if (page_ref_count(phx_reg_page(reg, idx)) > 1)
+			return false;
+	return true;
+}
+
+/* After the revocation: wait for in-flight I/O, remove the pages. */
+static void phx_reg_finish_now(struct phx_reg *reg)
+{
 	phx_reg_wait_idle(reg);
 	phx_mem_destroy(reg);
 	if (reg->prov->release)
 		reg->prov->release(reg);
 	atomic64_dec(&phx_regs_live);
-	mutex_unlock(&reg->lock);
+	complete_all(&reg->done);
 }
 
-static void phx_reg_teardown_work(struct work_struct *work)
+/*
+ * The same on phx_wq, so that close() and process exit never wait for I/O
+ * (io_uring may hold pages until its ring is torn down, after our file);
+ * module exit drains phx_wq.
+ */
+static void phx_reg_finish(struct work_struct *work)
 {
-	struct phx_reg *reg = container_of(work, struct phx_reg, teardown_work);
+	struct phx_reg *reg = container_of(work, struct phx_reg, finish_work);
 
-	phx_reg_teardown(reg);
+	phx_reg_finish_now(reg);
 	phx_reg_put(reg);
 }
 
-/**
- * phx_reg_revoke_async - revoke @reg from a context that must not wait.
- * @reg: the registration; its provider has lost (or is losing) the memory.
- *
- * User PTEs are zapped by the queued work; the owner's release path
- * flushes that work before dropping the registration.
- */
+static struct workqueue_struct *phx_wq;
+
+/* Revoke @reg and queue the rest of its teardown (if not done already). */
 void phx_reg_revoke_async(struct phx_reg *reg)
 {
-	kref_get(&reg->kref);
-	if (!queue_work(system_unbound_wq, &reg->teardown_work))
-		phx_reg_put(reg);
+	if (!phx_reg_revoke(reg))
+		return;
+	kref_get(&reg->kref);		/* put by phx_reg_finish() */
+	queue_work(phx_wq, &reg->finish_work);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -234,7 +263,8 @@ int phx_register(struct file *file, struct phx_register *arg)
 	kref_init(&reg->kref);
 	INIT_LIST_HEAD(&reg->node);
 	mutex_init(&reg->lock);
-	INIT_WORK(&reg->teardown_work, phx_reg_teardown_work);
+	init_completion(&reg->done);
+	INIT_WORK(&reg->finish_work, phx_reg_finish);
 	reg->prov = prov;
 	reg->length = arg->length;
 	reg->mapping = file->f_mapping;
@@ -284,8 +314,11 @@ int phx_unregister(struct file *file, u32 handle)
 
 	if (!reg)
 		return -ENOENT;
-	phx_reg_teardown(reg);
-	flush_work(&reg->teardown_work);
+	phx_reg_revoke_async(reg);
+	/* the ABI promises: in-flight I/O done and pages gone on return */
+	if (wait_for_completion_killable(&reg->done))
+		pr_info_ratelimited("%s: unregister of handle %u interrupted; it completes in the background\n",
+				    current->comm, handle);
 	phx_reg_put(reg);
 	return 0;
 }
@@ -322,7 +355,7 @@ static vm_fault_t phx_vm_fault(struct vm_fault *vmf)
 	unsigned long idx;
 	vm_fault_t ret = VM_FAULT_SIGBUS;
 
-	/* lockless first: a revoked registration never waits on teardown */
+	/* lockless first: a revoked registration answers at once */
 	if (!READ_ONCE(reg->live))
 		return VM_FAULT_SIGBUS;
 	idx = phx_vma_first_page(vma, reg) +
@@ -434,11 +467,24 @@ static int phx_release(struct inode *inode, struct file *file)
 	struct phx_file *pf = file->private_data;
 	struct phx_reg *reg, *tmp;
 
-	/* No VMA is left (each holds the file); I/O may still hold pages. */
+	/*
+	 * No VMA is left (each holds the file), so there is nothing to zap and
+	 * the address_space may go with the file; I/O may still hold pages:
+	 * the rest happens on phx_wq.
+	 */
 	list_for_each_entry_safe(reg, tmp, &pf->regs, node) {
 		list_del_init(&reg->node);
-		phx_reg_teardown(reg);
-		flush_work(&reg->teardown_work);
+		mutex_lock(&reg->lock);
+		reg->mapping = NULL;
+		mutex_unlock(&reg->lock);
+		if (phx_reg_revoke(reg)) {
+			if (phx_reg_quiet(reg)) {
+				phx_reg_finish_now(reg);	/* the usual case */
+			} else {
+				kref_get(&reg->kref);
+				queue_work(phx_wq, &reg->finish_work);
+			}
+		}
 		phx_reg_put(reg);
 	}
 	kfree(pf);
@@ -466,24 +512,32 @@ static int __init phx_init(void)
 {
 	int ret;
 
+	phx_wq = alloc_workqueue("phx", WQ_UNBOUND, 0);
+	if (!phx_wq)
+		return -ENOMEM;
 	ret = phx_nvidia_init();
 	if (ret)
-		return ret;
+		goto err_wq;
 	ret = misc_register(&phx_misc);
-	if (ret) {
-		phx_nvidia_exit();
-		return ret;
-	}
+	if (ret)
+		goto err_nvidia;
 	pr_info("ready: /dev/phx, ABI %d, kernel P2PDMA %s, NVIDIA p2p %s\n",
 		PHX_ABI_VERSION,
 		IS_ENABLED(CONFIG_PCI_P2PDMA) ? "yes" : "no (GENERIC pages)",
 		phx_nvidia_available() ? "found" : "not loaded");
 	return 0;
+
+err_nvidia:
+	phx_nvidia_exit();
+err_wq:
+	destroy_workqueue(phx_wq);
+	return ret;
 }
 
 static void __exit phx_exit(void)
 {
 	misc_deregister(&phx_misc);
+	destroy_workqueue(phx_wq);	/* waits for teardowns still running */
 	phx_nvidia_exit();
 	ida_destroy(&phx_ida);
 }

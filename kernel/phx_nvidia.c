@@ -159,9 +159,8 @@ static void phx_nv_free_cb(void *data)
 	    PHX_NV_ACTIVE)
 		return;
 	/* stop user access now; pages go once in-flight I/O has drained */
-	unmap_mapping_range(reg->mapping, reg->mmap_off, reg->length, 1);
-	ctx->api.free_page_table(ctx->pt);
 	phx_reg_revoke_async(reg);
+	ctx->api.free_page_table(ctx->pt);
 	complete(&ctx->cb_done);
 }
 

@@ -13,7 +13,7 @@
  *   phx_io_test hostfill FILE OFF LEN SEED   (host) seed the backing file
  *   phx_io_test hostcheck FILE OFF LEN SEED  (host) compare it
  *   phx_io_test validate BDF BAR              every bad argument refused
- *   phx_io_test garbage BDF BAR N             N random ioctls/mmaps
+ *   phx_io_test garbage BDF BAR N [SEED]      N random ioctls/mmaps
  *   phx_io_test hold BDF BAR REGOFF REGLEN    register, map, sleep
  *   phx_io_test busyio BDF BAR REGOFF REGLEN DIR   I/O until killed
  *   phx_io_test unreg BDF BAR REGOFF REGLEN DIR    unregister under I/O
@@ -141,8 +141,16 @@ static uint8_t *phx_map(int fd, const struct bdf *b, int bar, uint64_t off,
 {
 	void *p;
 
-	reg_init(reg, b, bar, off, len);
-	if (ioctl(fd, PHX_IOC_REGISTER, reg)) {
+	int tries = 0;
+
+	/* EBUSY: a process that just exited may still be releasing the range */
+	do {
+		reg_init(reg, b, bar, off, len);
+		if (!ioctl(fd, PHX_IOC_REGISTER, reg) || errno != EBUSY)
+			break;
+		usleep(10000);
+	} while (++tries < 500);
+	if (tries == 500 || reg->handle == 0) {
 		printf("PHX-FAIL register %#" PRIx64 "+%#" PRIx64 ": %s\n",
 		       off, len, strerror(errno));
 		exit(1);
@@ -586,8 +594,13 @@ static int cmd_validate(const struct bdf *b, int bar)
 	if (phx_info(fd, &info) || info.abi_version != PHX_ABI_VERSION ||
 	    info.reg_align != PHX_REG_ALIGN)
 		FAIL("validate: info");
-	close(fd);	/* releases both registrations */
+	close(fd);	/* releases both registrations (in the background) */
 	fd = phx_open();
+	for (int i = 0; i < 500; i++) {
+		if (phx_info(fd, &info) || info.nr_regs == 0)
+			break;
+		usleep(10000);
+	}
 	if (phx_info(fd, &info) || info.nr_regs != 0)
 		FAIL("validate: %llu registrations left after close",
 		     (unsigned long long)info.nr_regs);
@@ -609,7 +622,7 @@ static uint64_t rnd(void)
 	return rng_state;
 }
 
-static int cmd_garbage(const struct bdf *b, int bar, long n)
+static int cmd_garbage(const struct bdf *b, int bar, long n, uint64_t seed)
 {
 	static const unsigned int cmds[] = { PHX_IOC_INFO, PHX_IOC_REGISTER,
 					     PHX_IOC_UNREGISTER };
@@ -618,7 +631,9 @@ static int cmd_garbage(const struct bdf *b, int bar, long n)
 	long i, ok = 0, regs = 0;
 	struct phx_info info;
 
-	rng_state ^= (uint64_t)time(NULL);
+	rng_state ^= seed * 0x9E3779B97F4A7C15ULL;
+	if (!rng_state)
+		rng_state = 1;
 	for (i = 0; i < n; i++) {
 		unsigned int cmd;
 		void *arg;
@@ -707,8 +722,8 @@ static int cmd_garbage(const struct bdf *b, int bar, long n)
 	fd = phx_open();
 	if (phx_info(fd, &info))
 		FAIL("garbage: info after the storm");
-	printf("garbage: %ld calls, %ld succeeded, %ld registrations, %llu live now\n",
-	       n, ok, regs, (unsigned long long)info.nr_regs);
+	printf("garbage (seed %" PRIu64 "): %ld calls, %ld succeeded, %ld registrations, %llu live now\n",
+	       seed, n, ok, regs, (unsigned long long)info.nr_regs);
 	close(fd);
 	PASS("garbage %ld random ioctls/mmaps survived", n);
 	return 0;
@@ -935,8 +950,9 @@ int main(int argc, char **argv)
 	}
 	if (!strcmp(cmd, "validate"))
 		return cmd_validate(&b, atoi(argv[3]));
-	if (!strcmp(cmd, "garbage") && argc == 5)
-		return cmd_garbage(&b, atoi(argv[3]), atol(argv[4]));
+	if (!strcmp(cmd, "garbage") && (argc == 5 || argc == 6))
+		return cmd_garbage(&b, atoi(argv[3]), atol(argv[4]),
+				   argc == 6 ? num(argv[5]) : 1);
 	if (argc < 6)
 		return 2;
 	if (!strcmp(cmd, "hold"))

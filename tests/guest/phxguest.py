@@ -25,7 +25,8 @@ Suite scripts (``tests/guest/suite_*.sh``) declare what must pass with
 PHX_KO (phx.ko built for the booted kernel), PHX_BIN (host-built test
 binaries), PHX_KVER, PHX_KERNEL (debian|p2pdma), PHX_IVSHMEM_BDF,
 PHX_IVSHMEM_SIZE, PHX_NVME (space-separated /dev/nvmeXn1 names, in --nvme
-order) and a writable tmpfs at /tmp.  A line ``PHX-HOSTCHECK off len seed``
+order), every PHX_SUITE_* variable of the host environment (spaces become
+commas) and a writable tmpfs at /tmp.  A line ``PHX-HOSTCHECK off len seed``
 asks the host to compare the ivshmem backing file after the guest exits.
 
 Exit status: 0 pass, 1 fail, 77 cannot run here (no qemu and no apt).
@@ -471,6 +472,9 @@ def main():
     env = {"PHX_REPO": str(REPO), "PHX_KO": str(ko), "PHX_BIN": str(bindir),
            "PHX_KVER": kern.kver, "PHX_KERNEL": a.kernel,
            "PHX_IVSHMEM_SIZE": str(a.ivshmem_size)}
+    # knobs for suites: PHX_SUITE_* from the host environment (no spaces kept)
+    env.update({k: v.replace(" ", ",") for k, v in os.environ.items()
+                if k.startswith("PHX_SUITE_")})
     (rundir / "env").write_text(" ".join(f"{k}={v}" for k, v in env.items()))
     (rundir / "script").write_text(str(suite))
     expects = []

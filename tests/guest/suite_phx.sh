@@ -68,12 +68,25 @@ $T fillbar "$B" 2 $((192 * M)) $((16 * M)) $MNT 0 $((8 * M)) 777
 
 # --- arguments, garbage ---
 $T validate "$B" 2
-$T garbage "$B" 2 10000
+# PHX_SUITE_GARBAGE_SEEDS="1 2 3" on the host runs more rounds (default: seed 1)
+SEEDS=${PHX_SUITE_GARBAGE_SEEDS:-1}
+for seed in ${SEEDS//,/ }; do
+	$T garbage "$B" 2 10000 "$seed"
+done
 
 # --- rmmod refused while a mapping exists ---
 $T hold "$B" 2 0 $((16 * M)) >/tmp/hold.log &
 HP=$!
 for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/hold.log && break; sleep 0.1; done
+P2PMEM=/sys/bus/pci/devices/$B/p2pmem
+if [ "$PHX_KERNEL" = p2pdma ]; then
+	# upstream P2PDMA state exists on the device while phx has a registration
+	if [ -d $P2PMEM ]; then
+		echo "p2pdma: $P2PMEM present while registered: $(cat $P2PMEM/size 2>/dev/null) bytes"
+	else
+		fail "p2pdma-state: no $P2PMEM while a registration is live"
+	fi
+fi
 if rmmod phx 2>/tmp/rmmod.err; then
 	fail "rmmod-refused: rmmod succeeded with a live mapping"
 	insmod "$PHX_KO"
@@ -82,6 +95,10 @@ else
 fi
 kill -9 $HP
 wait $HP 2>/dev/null
+wait_regs0
+if [ "$PHX_KERNEL" = p2pdma ] && [ -d $P2PMEM ]; then
+	fail "p2pdma-state: $P2PMEM still there after the last registration went"
+fi
 
 # --- a process killed in the middle of I/O leaves nothing behind ---
 $T busyio "$B" 2 0 $((32 * M)) $MNT >/tmp/busy.log &
