@@ -114,8 +114,9 @@ int main(void)
 	/* phx_wait on a pollable request that already completed returns at once */
 	{
 		struct phx_io io, *p = &io, *done[2];
+		unsigned char small[100];
 
-		phx_io_prep(&io, f, PHX_OP_READ, bufs[0], 100, 5);
+		phx_io_prep(&io, f, PHX_OP_READ, small, 100, 5);
 		T_CHECK(phx_submit(eng, &p, 1) == 0, "submit");
 		T_CHECK(phx_wait(eng, &io, -1) == 0, "wait");
 		T_CHECK(io.result == 100, "result");
