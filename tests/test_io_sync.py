@@ -377,3 +377,65 @@ def test_pread_sees_os_pwrite_and_vice_versa(data_dir, rng):
                 assert_same(os.pread(fd, ln, off), c, "os.pread reads phx pwrite")
     finally:
         os.close(fd)
+
+
+def test_size_changes_by_others_are_seen(data_dir, rng):
+    """Another descriptor truncates or extends the file: phx's reads, short
+    counts and f.size follow at once (no cached size)."""
+    path = os.path.join(data_dir, "sz")
+    data = fresh_bytes(rng, 100_000)
+    write_file(path, data)
+    with phx.open(path, "r+") as f:
+        assert f.size == 100_000
+        os.truncate(path, 5000)
+        assert f.size == 5000
+        b = bytearray(8192)
+        assert f.pread(b, 0) == 5000
+        assert_same(b[:5000], data[:5000])
+        assert f.pread(b, 5000) == 0
+        more = fresh_bytes(rng, 20_000)
+        fd = os.open(path, os.O_WRONLY)
+        os.pwrite(fd, more, 70_000)
+        os.close(fd)
+        assert f.size == 90_000
+        b = bytearray(30_000)
+        assert f.pread(b, 65_000) == 25_000
+        assert_same(b[:5000], bytes(5000), "hole")
+        assert_same(b[5000:25_000], more)
+
+
+def test_two_engines_same_file(data_dir, rng):
+    """Two Files on one path through two engines: each sees the other's writes."""
+    path = os.path.join(data_dir, "two")
+    write_file(path, fresh_bytes(rng, 1 * MiB))
+    a = phx.open(path, "r+", engine=phx.Engine())
+    b = phx.open(path, "r+", engine=phx.Engine())
+    try:
+        for off, ln in [(0, 4096), (3, 77), (4095, 8193), (500_000, 100_000)]:
+            x = fresh_bytes(rng, ln)
+            assert a.pwrite(x, off) == ln
+            got = bytearray(ln)
+            assert b.pread(got, off) == ln
+            assert_same(got, x, f"engine B sees A's write {ln} @ {off}")
+            y = fresh_bytes(rng, ln)
+            assert b.pwrite_async(y, off).result(timeout=60) == ln
+            assert a.pread_batch([(got, off)]) == [ln]
+            assert_same(got, y, f"engine A sees B's write {ln} @ {off}")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_batch_of_10000(data_dir, rng):
+    path = os.path.join(data_dir, "b10k")
+    data = fresh_bytes(rng, 4 * MiB)
+    write_file(path, data)
+    offs = rng.integers(0, 4 * MiB, size=10_000)
+    lens = rng.integers(1, 600, size=10_000)
+    reqs = [(bytearray(int(n)), int(o)) for o, n in zip(offs, lens)]
+    with phx.open(path, "r") as f:
+        res = f.pread_batch(reqs)
+    assert len(res) == 10_000
+    for (b, o), n in zip(reqs, res):
+        assert n == len(data[o:o + len(b)])
+        assert bytes(b[:n]) == data[o:o + n]
