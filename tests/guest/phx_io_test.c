@@ -18,6 +18,7 @@
  *   phx_io_test busyio BDF BAR REGOFF REGLEN DIR   I/O until killed
  *   phx_io_test unreg BDF BAR REGOFF REGLEN DIR    unregister under I/O
  *   phx_io_test fork BDF BAR REGOFF REGLEN    the child has no mapping
+ *   phx_io_test fixedbuf BDF BAR REGOFF REGLEN DIR  io_uring fixed buffer, exit
  *   phx_io_test info                          print PHX_IOC_INFO
  */
 #define _GNU_SOURCE
@@ -909,6 +910,63 @@ static int cmd_fork(const struct bdf *b, int bar, uint64_t regoff,
 	return failures ? 1 : 0;
 }
 
+/*
+ * The mapping as an io_uring fixed buffer (long-term pin), then exit with
+ * the buffer still registered: exit must not hang, phx must let go after
+ * the ring is gone.  P2PDMA pages cannot be long-term pinned: refusal is
+ * the expected outcome there.
+ */
+static int cmd_fixedbuf(const struct bdf *b, int bar, uint64_t regoff,
+			uint64_t reglen, const char *dir)
+{
+	struct phx_register reg;
+	struct io_uring r;
+	struct iovec iov;
+	char path[512];
+	int fd = phx_open(), dfd, ret;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	uint8_t *exp = xalloc(1 << 20);
+
+	if (io_uring_queue_init(8, &r, 0)) {
+		FAIL("fixedbuf: io_uring_queue_init");
+		return 1;
+	}
+	iov.iov_base = map;
+	iov.iov_len = reglen;
+	ret = io_uring_register_buffers(&r, &iov, 1);
+	if (ret) {
+		printf("fixedbuf: registering the mapping as a fixed buffer: %s (mode %s)\n",
+		       strerror(-ret), reg.mode == PHX_MODE_P2PDMA ? "P2PDMA" : "GENERIC");
+		PASS("fixedbuf refused (%s)", strerror(-ret));
+		return 0;
+	}
+	snprintf(path, sizeof(path), "%s/phx-fixed.dat", dir);
+	make_file(path, 1 << 20, 31);
+	drop_caches();
+	dfd = open(path, O_RDONLY | O_DIRECT);
+	{
+		struct io_uring_sqe *sqe = io_uring_get_sqe(&r);
+		struct io_uring_cqe *cqe;
+
+		io_uring_prep_read_fixed(sqe, dfd, map, 1 << 20, 0, 0);
+		io_uring_submit(&r);
+		if (io_uring_wait_cqe(&r, &cqe) || cqe->res != 1 << 20) {
+			FAIL("fixedbuf: READ_FIXED");
+			return 1;
+		}
+		io_uring_cqe_seen(&r, cqe);
+	}
+	seeded(exp, 1 << 20, 31, 0);
+	if (first_diff(map, exp, 1 << 20) >= 0) {
+		FAIL("fixedbuf: READ_FIXED bytes differ");
+		return 1;
+	}
+	unlink(path);
+	/* exit with the buffer registered, the mapping and /dev/phx open */
+	PASS("fixedbuf READ_FIXED into the mapping; exiting with it pinned");
+	return 0;
+}
+
 static int cmd_info(void)
 {
 	struct phx_info info;
@@ -963,6 +1021,9 @@ int main(int argc, char **argv)
 		return 2;
 	if (!strcmp(cmd, "busyio"))
 		return cmd_busyio(&b, atoi(argv[3]), num(argv[4]), num(argv[5]), argv[6]);
+	if (!strcmp(cmd, "fixedbuf"))
+		return cmd_fixedbuf(&b, atoi(argv[3]), num(argv[4]), num(argv[5]),
+				    argv[6]);
 	if (!strcmp(cmd, "unreg"))
 		return cmd_unreg(&b, atoi(argv[3]), num(argv[4]), num(argv[5]), argv[6]);
 	if (!strcmp(cmd, "io") && argc == 8)

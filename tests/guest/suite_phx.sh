@@ -10,7 +10,7 @@
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
 # PHX-EXPECT: fillbar checkbar validate garbage rmmod-refused kill-midio
-# PHX-EXPECT: fork unreg concurrent python-direct rmmod
+# PHX-EXPECT: fixedbuf-exit fork unreg concurrent python-direct rmmod
 # PHX-HOSTFILL: 234881024 8388608 4242
 set -u
 export PYTHONDONTWRITEBYTECODE=1
@@ -115,6 +115,19 @@ elif ! insmod "$PHX_KO"; then
 	fail "kill-midio: insmod again failed"
 else
 	pass kill-midio "nothing left; rmmod and insmod worked"
+fi
+
+# --- exit with the mapping pinned as an io_uring fixed buffer ---
+if timeout 60 $T fixedbuf "$B" 2 0 $((16 * M)) $MNT >/tmp/fixed.log 2>&1; then
+	cat /tmp/fixed.log
+	if wait_regs0; then
+		pass fixedbuf-exit "exit did not hang; registration released after the ring"
+	else
+		fail "fixedbuf-exit: registration left: $($T info)"
+	fi
+else
+	cat /tmp/fixed.log
+	fail "fixedbuf-exit: the process failed or hung"
 fi
 
 # --- fork, unregister under I/O ---
