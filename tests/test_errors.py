@@ -58,9 +58,12 @@ def test_exclusive_create_existing(src, mode):
         assert_same(g.read(), data, "x on an existing file must leave it alone")
 
 
-def test_open_a_directory(data_dir):
+@pytest.mark.parametrize("mode", ["r", "r+", "w"])
+def test_open_a_directory(data_dir, mode):
+    """Like open(): IsADirectoryError (EISDIR) with the path - not an EINVAL
+    that blames the filesystem for refusing O_DIRECT."""
     with pytest.raises(IsADirectoryError) as ei:
-        phx.open(data_dir, "r+")
+        phx.open(data_dir, mode)
     assert ei.value.errno == errno.EISDIR and has_path(ei.value, data_dir)
 
 

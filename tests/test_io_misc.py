@@ -266,3 +266,58 @@ def test_unaligned_writes_to_write_only_permission_file(data_dir):
     exp[3:5003] = b"x" * 5000
     exp[8192:] = b"y" * 4096
     assert_same(got, bytes(exp), "file written through write-only permissions")
+
+
+@pytest.fixture
+def loop_device(disk_base, rng):
+    """(device path, image bytes): a 64 MiB loop device over random data (root)."""
+    import subprocess
+    if os.geteuid() != 0:
+        pytest.skip("loop devices need root")
+    img = os.path.join(disk_base, f"blk-{os.getpid()}-{rng.integers(1 << 30)}.img")
+    data = fresh_bytes(rng, 64 * MiB)
+    write_file(img, data)
+    try:
+        dev = subprocess.run(["losetup", "--find", "--show", img], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    except (subprocess.CalledProcessError, OSError) as e:
+        os.unlink(img)
+        pytest.skip(f"losetup failed: {e}")
+    try:
+        yield dev, data
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+        os.unlink(img)
+
+
+def test_block_device(loop_device, rng):
+    """A block device read and written through phx: aligned and unaligned,
+    read-modify-write, a short read at the end of the device."""
+    dev, data = loop_device
+    model = bytearray(data)
+    with phx.open(dev, "r+") as f:
+        for off, n, mis in [(0, 1 * MiB, 0), (5, 100_000, 0), (4097, 3 * MiB + 1, 3)]:
+            whole = phx.empty_aligned(n + 8)
+            view = memoryview(whole)[mis:mis + n]
+            assert f.pread(view, off) == n
+            assert_same(view, model[off:off + n], f"device read {n} @ {off}")
+        for off, n in [(3, 5), (4095, 4097), (1 * MiB, 4096), (64 * MiB - 10, 10)]:
+            x = fresh_bytes(rng, n)
+            assert f.pwrite(x, off) == n
+            model[off:off + n] = x
+        b = bytearray(8192)
+        assert f.pread(b, 64 * MiB - 100) == 100
+        assert_same(b[:100], model[-100:], "short read at the end of the device")
+        assert f.pread(b, 64 * MiB) == 0
+        f.fsync()
+    fd = os.open(dev, os.O_RDONLY)
+    try:
+        got = bytearray()
+        while len(got) < 64 * MiB:
+            chunk = os.pread(fd, 16 * MiB, len(got))
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(fd)
+    assert_same(bytes(got), bytes(model), "device contents")
