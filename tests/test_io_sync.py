@@ -439,3 +439,77 @@ def test_batch_of_10000(data_dir, rng):
     for (b, o), n in zip(reqs, res):
         assert n == len(data[o:o + len(b)])
         assert bytes(b[:n]) == data[o:o + n]
+
+
+ENGINE_CONFIGS = {
+    "default": {},
+    "tiny": dict(queue_depth=2, max_io_size=8192, bounce_size=4096, bounce_count=1),
+    "small-bounce-many": dict(queue_depth=64, max_io_size=16384, bounce_size=4096, bounce_count=2),
+}
+
+
+@pytest.mark.parametrize("cfg", list(ENGINE_CONFIGS))
+def test_random_mixed_ops_against_model(fs_dir, rng, cfg):
+    """400 random operations - sync, async and batched reads and writes
+    (batches of non-overlapping extents), truncates - through engines with
+    tiny chunks and bounce pools, checked against a bytes model."""
+    path = os.path.join(fs_dir, "mix")
+    model = bytearray(fresh_bytes(rng, 150_000))
+    write_file(path, bytes(model))
+    eng = phx.Engine(**ENGINE_CONFIGS[cfg])
+
+    def extents(k):
+        """k non-overlapping random extents, possibly past the end."""
+        cuts = sorted(int(x) for x in rng.integers(0, 260_000, size=2 * k))
+        return [(cuts[2 * i], cuts[2 * i + 1] - cuts[2 * i]) for i in range(k)
+                if cuts[2 * i + 1] > cuts[2 * i]]
+
+    def apply_write(data, off):
+        if off > len(model):
+            model.extend(bytes(off - len(model)))
+        model[off:off + len(data)] = data
+
+    with phx.open(path, "r+", engine=eng) as f:
+        for i in range(400):
+            op = int(rng.integers(0, 7))
+            if op == 0:  # sync read
+                (off, ln), = extents(1) or [(0, 1)]
+                b = bytearray(ln)
+                n = f.pread(b, off)
+                assert n == len(model[off:off + ln]) and b[:n] == model[off:off + n], f"op {i}"
+            elif op == 1:  # sync write
+                (off, ln), = extents(1) or [(0, 1)]
+                d = fresh_bytes(rng, ln)
+                assert f.pwrite(d, off) == ln
+                apply_write(d, off)
+            elif op == 2:  # async read
+                (off, ln), = extents(1) or [(0, 1)]
+                b = bytearray(ln)
+                n = f.pread_async(b, off).result(timeout=60)
+                assert n == len(model[off:off + ln]) and b[:n] == model[off:off + n], f"op {i}"
+            elif op == 3:  # async writes, several in flight, non-overlapping
+                ws = [(fresh_bytes(rng, ln), off) for off, ln in extents(int(rng.integers(1, 6)))]
+                futs = [f.pwrite_async(d, off) for d, off in ws]
+                assert [x.result(timeout=60) for x in futs] == [len(d) for d, _ in ws], f"op {i}"
+                for d, off in ws:
+                    apply_write(d, off)
+            elif op == 4:  # batch read
+                ext = extents(int(rng.integers(1, 9)))
+                bufs = [bytearray(ln) for _, ln in ext]
+                res = f.pread_batch([(b, off) for b, (off, _) in zip(bufs, ext)])
+                for b, (off, ln), n in zip(bufs, ext, res):
+                    assert n == len(model[off:off + ln]) and b[:n] == model[off:off + n], f"op {i}"
+            elif op == 5:  # batch write
+                ws = [(fresh_bytes(rng, ln), off) for off, ln in extents(int(rng.integers(1, 9)))]
+                assert f.pwrite_batch(ws) == [len(d) for d, _ in ws], f"op {i}"
+                for d, off in ws:
+                    apply_write(d, off)
+            else:
+                size = int(rng.integers(0, 260_000))
+                f.truncate(size)
+                if size < len(model):
+                    del model[size:]
+                else:
+                    model.extend(bytes(size - len(model)))
+            assert f.size == len(model), f"op {i} ({op}): size {f.size} != model {len(model)}"
+    assert_same(read_all(path), bytes(model), f"final file ({cfg})")
