@@ -520,8 +520,10 @@ def main():
             reasons.append(f"host check of {off}+{ln_} failed")
     shm.unlink(missing_ok=True)
 
+    info = re.compile(r"^(PHX-PASS|PHX-FAIL|PHX-SKIP|PHX-INFO|suite:|phx info|unreg:|"
+                      r"garbage \(seed|fixedbuf:|p2pdma:)")
     for ln in text.splitlines():
-        if ln.startswith(("PHX-PASS", "PHX-FAIL", "PHX-SKIP")):
+        if info.match(ln):
             print(ln)
     if not ok:
         print("=" * 30 + " guest log " + "=" * 30)

@@ -1,0 +1,22 @@
+# NVMe-direct guest tests (issue 6).  Included by the top Makefile
+# (`-include tests/guest/nvme/nvme.mk`); meanwhile:
+#   make -f Makefile -f tests/guest/nvme/nvme.mk test-guest-nvme
+# Three emulated controllers: 4 KiB LBAs with MDTS 3 (32 KiB commands), 512 B
+# LBAs with MDTS 2 (16 KiB commands) so that chunking is exercised, and one
+# that the tests format, partition and hot-remove.
+PHX_GUEST_NVME_RUN := $(PYTHON) tests/guest/nvme/run_guest.py
+PHX_GUEST_NVME_DEVS ?= --nvme size=64M,lba=4096,mdts=3 --nvme size=64M,lba=512,mdts=2 \
+	--nvme size=64M,lba=4096,mdts=5
+
+.PHONY: test-guest-nvme bench-guest-nvme
+
+test-guest-nvme:
+	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_nvme.sh $(PHX_GUEST_NVME_DEVS) \
+		--timeout 900
+
+# phx bench nvme in the guest on a 512 MiB namespace (docs/nvme.md).
+bench-guest-nvme:
+	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_bench.sh \
+		--nvme size=1G,lba=4096,mdts=7 --mem 2G --timeout 1200
+
+test-guest:: test-guest-nvme
