@@ -3,10 +3,10 @@
 #   make -f Makefile -f tests/guest/nvme/nvme.mk test-guest-nvme
 # Three emulated controllers: 4 KiB LBAs with MDTS 3 (32 KiB commands), 512 B
 # LBAs with MDTS 2 (16 KiB commands) so that chunking is exercised, and one
-# that the tests format, partition and hot-remove.
+# that the tests format (512 MiB: mkfs.xfs wants 300), partition and hot-remove.
 PHX_GUEST_NVME_RUN := $(PYTHON) tests/guest/nvme/run_guest.py
 PHX_GUEST_NVME_DEVS ?= --nvme size=64M,lba=4096,mdts=3 --nvme size=64M,lba=512,mdts=2 \
-	--nvme size=64M,lba=4096,mdts=5
+	--nvme size=512M,lba=4096,mdts=5
 
 .PHONY: test-guest-nvme bench-guest-nvme
 

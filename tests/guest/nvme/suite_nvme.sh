@@ -3,7 +3,7 @@
 # (tests/guest/phxguest.py with discard=unmap on the NVMe drives) inside the
 # guest, chrooted into the host tree.  Controllers (see nvme.mk): serials
 # phx0000 (4 KiB LBAs, MDTS 3), phx0001 (512 B, MDTS 2), phx0002 (4 KiB,
-# MDTS 5; reformatted, partitioned and finally hot-removed by the tests).
+# MDTS 5, 512 MiB; reformatted, partitioned and finally hot-removed by the tests).
 #
 # PHX-EXPECT: nvme-devices nvme-pytest nvme-bench-smoke
 set -u
