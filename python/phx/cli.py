@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "io": ("phx.bench.io", "file read/write GB/s and IOPS: phx vs fio vs os.preadv"),
     "kv": ("phx.bench.kv", "KV offload under memory caps: FlexLLMGen memmap vs fadvise vs direct vs phx dual-path"),
     "gpu": ("phx.bench.gpu", "file <-> GPU GB/s: phx Co-DMA vs raw O_DIRECT, naive staging, KvikIO"),
+    "nvme": ("phx.bench.nvme", "NVMe namespace: io_uring passthrough vs O_DIRECT block device vs buffered"),
 }
 
 

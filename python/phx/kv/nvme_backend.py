@@ -1,0 +1,213 @@
+"""The KV store's direct path on an NVMe namespace instead of the O_DIRECT slab.
+
+:class:`NvmeBackend` implements :class:`phx.kv.slab.DirectBackend` with
+:mod:`phx.nvme`: extents are LBA ranges of a claimed part of a namespace,
+placed back to back from a first LBA the user picks (the paper's
+``start(n+1) = start(n) + blocks(n)``); reads and writes are NVMe commands
+through io_uring passthrough, split at MDTS and kept in flight up to the queue
+depth; ``discard`` is a Dataset Management deallocate (TRIM); closing
+deallocates the whole range ever used.
+
+Use it explicitly::
+
+    store = KVStore(dir, direct_backend=NvmeBackend("/dev/ng0n1", first_lba=2048))
+
+or through the environment (``PHX_KV_NVME=/dev/ng0n1,first_lba=2048,nr_lbas=0,force=0``)
+with :func:`from_env`, which returns None when the variable is unset.
+
+Byte ranges that do not start or end on an LBA boundary (rows smaller than a
+block) are read through a bounce buffer and written read-modify-write, under a
+lock, so two writers of this backend never lose each other's bytes in a shared
+block.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from phx.kv.slab import Extent, ExtentAllocator
+
+ENV = "PHX_KV_NVME"
+
+
+def _aligned(n: int) -> np.ndarray:
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    return raw[off:off + n]
+
+
+class NvmeBackend:
+    """A :class:`~phx.kv.slab.DirectBackend` on LBAs of an NVMe namespace.
+
+    Args:
+        path: the namespace's generic char device (``/dev/ngXnY``).
+        first_lba: where the first tensor goes (the claimed range starts here).
+        nr_lbas: LBAs claimed (0: to the end of the namespace).
+        force: claim it even if it looks used (see :func:`phx.nvme.open`).
+        namespace: an already open :class:`phx.nvme.Namespace` to use instead
+            (not closed by :meth:`close`).
+        open_kw: further :func:`phx.nvme.open` arguments (queue_depth, ...).
+    """
+
+    def __init__(self, path: str | None = None, *, first_lba: int = 0, nr_lbas: int = 0,
+                 force: bool = False, namespace=None, **open_kw):
+        import phx.nvme
+        if namespace is None:
+            if path is None:
+                raise ValueError("NvmeBackend needs a path or a namespace")
+            namespace = phx.nvme.open(path, first_lba=first_lba, nr_lbas=nr_lbas,
+                                      force=force, **open_kw)
+            self._own = True
+        else:
+            self._own = False
+        self.ns = namespace
+        self.path = namespace.path
+        self.alignment = namespace.lba_size
+        self.alloc = ExtentAllocator(self.alignment, namespace.end - namespace.start,
+                                     base=namespace.start)
+        self._high = namespace.start
+        self._rmw = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- DirectBackend ------------------------------------------------------
+    def bind(self, sizes: Sequence[int]) -> list[Extent]:
+        exts = self.alloc.allocate_run(sizes)
+        if exts:
+            self._high = max(self._high, exts[-1].end)
+        return exts
+
+    def materialize(self, ext: Extent) -> None:
+        """LBAs need no allocation."""
+
+    def fileno(self) -> int:
+        return -1
+
+    def _pieces(self, n: int, offset: int):
+        """(head, middle, tail) byte ranges relative to the buffer."""
+        a = self.alignment
+        h = min(n, (-offset) % a)
+        t = (n - h) % a
+        return (0, h), (h, n - t), (n - t, n)
+
+    def read(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        n = mv.nbytes
+        if n == 0:
+            return
+        a = self.alignment
+        if offset % a == 0 and n % a == 0:
+            self._check(self.ns.read(mv, offset), n, offset)
+            return
+        (h0, h1), (m0, m1), (t0, t1) = self._pieces(n, offset)
+        if m1 > m0:
+            self._check(self.ns.read(mv[m0:m1], offset + m0), m1 - m0, offset + m0)
+        for s, e in ((h0, h1), (t0, t1)):
+            if e > s:
+                lo = (offset + s) // a * a
+                blk = _aligned(a * (-(-(offset + e - lo) // a)))
+                self.ns.read(blk, lo)
+                mv[s:e] = blk[offset + s - lo:offset + e - lo]
+
+    def write(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        n = mv.nbytes
+        if n == 0:
+            return
+        a = self.alignment
+        if offset % a == 0 and n % a == 0:
+            self._check(self.ns.write(mv, offset), n, offset)
+            return
+        (h0, h1), (m0, m1), (t0, t1) = self._pieces(n, offset)
+        if m1 > m0:
+            self._check(self.ns.write(mv[m0:m1], offset + m0), m1 - m0, offset + m0)
+        with self._rmw:
+            for s, e in ((h0, h1), (t0, t1)):
+                if e > s:
+                    lo = (offset + s) // a * a
+                    blk = _aligned(a * (-(-(offset + e - lo) // a)))
+                    self.ns.read(blk, lo)
+                    blk[offset + s - lo:offset + e - lo] = np.frombuffer(mv[s:e], np.uint8)
+                    self.ns.write(blk, lo)
+
+    def _check(self, got: int, want: int, offset: int) -> None:
+        if got != want:
+            raise OSError(errno.EIO, f"short NVMe transfer: {got} of {want} bytes at {offset}",
+                          self.path)
+
+    def write_async(self, buf, offset: int) -> Future:
+        """Start :meth:`write` on a worker thread; ``result()`` is the byte count."""
+        with self._pool_lock:
+            if self._pool is None:
+                workers = max(1, int(self.ns.info["nr_queues"]))
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="phx-nvme")
+        n = memoryview(buf).nbytes
+
+        def job():
+            self.write(buf, offset)
+            return n
+        return self._pool.submit(job)
+
+    def read_batch(self, items) -> None:
+        """``[(buf, offset), ...]``: aligned ones in one submission, others one by one."""
+        a = self.alignment
+        fast, slow = [], []
+        for b, off in items:
+            mv = memoryview(b).cast("B")
+            (fast if off % a == 0 and mv.nbytes % a == 0 else slow).append((mv, off))
+        if fast:
+            got = self.ns.read_batch(fast)
+            for (mv, off), g in zip(fast, got):
+                self._check(g, mv.nbytes, off)
+        for mv, off in slow:
+            self.read(mv, off)
+
+    def discard(self, ext: Extent) -> None:
+        """Deallocate (TRIM) the extent's LBAs and return them to the allocator."""
+        self.ns.deallocate(ext.start, ext.length)
+        self.alloc.free(ext)
+
+    def close(self, unlink: bool = True) -> None:
+        """Deallocate every LBA ever bound, then close the namespace (if ours).
+
+        ``unlink`` has no meaning for a namespace and is ignored.
+        """
+        if self.ns is None or self.ns.closed:
+            return
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._high > self.ns.start:
+            self.ns.deallocate(self.ns.start, self._high - self.ns.start)
+        for e in self.alloc.live():
+            self.alloc.free(e)
+        if self._own:
+            self.ns.close()
+
+
+def from_env(env: str = ENV) -> NvmeBackend | None:
+    """An :class:`NvmeBackend` from ``$PHX_KV_NVME`` (``path[,key=value...]``), or None.
+
+    Keys: ``first_lba``, ``nr_lbas``, ``queue_depth``, ``nr_queues`` (integers) and
+    ``force`` (0/1).
+    """
+    spec = os.environ.get(env, "").strip()
+    if not spec:
+        return None
+    path, *opts = spec.split(",")
+    kw: dict = {}
+    for o in filter(None, opts):
+        k, _, v = o.partition("=")
+        if k == "force":
+            kw[k] = v.strip() not in ("", "0", "false", "no")
+        elif k in ("first_lba", "nr_lbas", "queue_depth", "nr_queues"):
+            kw[k] = int(v, 0)
+        else:
+            raise ValueError(f"{env}: unknown option {k!r} (first_lba, nr_lbas, "
+                             "queue_depth, nr_queues, force)")
+    return NvmeBackend(path, **kw)
