@@ -1162,7 +1162,8 @@ static int check_devptr(phx_cuda *c, uint64_t p, size_t len)
 
 /* Queue one request on @s. */
 static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
-		   int64_t *bytes_done, CUstream s, bool ordered, CUstream after)
+		   int64_t *bytes_done, CUstream s, bool ordered, CUstream after,
+		   int sidx)
 {
 	struct phx_file_info fi;
 	struct cureq *rq;
@@ -1234,14 +1235,16 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 		return ret;
 	}
 	if (n && after) {
-		/* internal stream @s first waits for what @after holds now */
+		/* the internal streams used first wait for what @after holds now */
 		CUevent aev = NULL;
 
 		ret = ev_get(c, &aev);
 		if (!ret) {
+			uint32_t i, ns = n < CU_NSTREAMS ? n : CU_NSTREAMS;
+
 			r = cu.EventRecord(aev, after);
-			if (r == CUDA_SUCCESS)
-				r = cu.StreamWaitEvent(s, aev, 0);
+			for (i = 0; r == CUDA_SUCCESS && i < ns; i++)
+				r = cu.StreamWaitEvent(c->streams[(sidx + i) % CU_NSTREAMS], aev, 0);
 			if (r != CUDA_SUCCESS)
 				ret = cu_fail(r, "ordering after the caller's stream");
 			ev_put(c, aev);
@@ -1283,6 +1286,12 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 		struct use *u = &rq->uses[k];
 		struct sbuf *b = c->bufs[(start + k) % c->nbufs];
 		struct lane *ln = b->lane;
+		/*
+		 * Host-async requests spread their copies over the internal
+		 * streams, so one slow chunk does not hold back the copies (and
+		 * so the staging buffers) of the chunks after it.
+		 */
+		CUstream sk = sidx < 0 ? s : c->streams[(sidx + k) % CU_NSTREAMS];
 		uint64_t w = a0 + (uint64_t)k * S;
 		uint64_t ustart = off > w ? off : w;
 		uint64_t uend = end < w + S ? end : w + S;
@@ -1306,13 +1315,13 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 		pthread_mutex_lock(&b->enq_lock);
 		u->seq = b->seq_enq + 1;
 		if (!ret && io->op == PHX_OP_READ) {
-			r = gate_stream(c, s, b, u->seq);
+			r = gate_stream(c, sk, b, u->seq);
 			if (r == CUDA_SUCCESS)
 				r = cu.MemcpyHtoDAsync(io->devptr + (ustart - off),
 						       b->mem + (ustart - u->io_off),
-						       u->user_len, s);
+						       u->user_len, sk);
 			if (r == CUDA_SUCCESS)
-				r = cu.EventRecord(u->ev, s);
+				r = cu.EventRecord(u->ev, sk);
 			if (r != CUDA_SUCCESS)
 				ret = cu_fail(r, "queueing the copy to the GPU");
 		} else if (!ret) {
@@ -1334,17 +1343,17 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 			pthread_mutex_unlock(&ln->lock);
 			r = CUDA_SUCCESS;
 			if (pev)
-				r = cu.StreamWaitEvent(s, pev, 0);
+				r = cu.StreamWaitEvent(sk, pev, 0);
 			else if (prq)
-				r = gate_stream(c, s, b, pseq);
+				r = gate_stream(c, sk, b, pseq);
 			if (prq)
 				req_put_uses(prq, 1);
 			if (r == CUDA_SUCCESS)
 				r = cu.MemcpyDtoHAsync(b->mem + u->buf_off,
 						       io->devptr + (ustart - off),
-						       u->user_len, s);
+						       u->user_len, sk);
 			if (r == CUDA_SUCCESS)
-				r = cu.EventRecord(u->ev, s);
+				r = cu.EventRecord(u->ev, sk);
 			if (r != CUDA_SUCCESS)
 				ret = cu_fail(r, "queueing the copy from the GPU");
 			lastseq[b->index] = u->seq;
@@ -1399,11 +1408,9 @@ static int enqueue(phx_cuda *c, struct phx_cuda_io *io, bool owned,
 	return 0;
 }
 
-static CUstream pick_stream(phx_cuda *c)
+static int pick_stream(phx_cuda *c)
 {
-	uint32_t i = __atomic_fetch_add(&c->stream_rr, 1, __ATOMIC_RELAXED);
-
-	return c->streams[i % CU_NSTREAMS];
+	return (int)(__atomic_fetch_add(&c->stream_rr, 1, __ATOMIC_RELAXED) % CU_NSTREAMS);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1416,7 +1423,7 @@ CU_EXPORT int phx_cuda_submit_stream(phx_cuda *c, struct phx_cuda_io *io, void *
 
 	if (!c)
 		return cerr(-EINVAL, "NULL context");
-	ret = enqueue(c, io, false, NULL, (CUstream)stream, true, NULL);
+	ret = enqueue(c, io, false, NULL, (CUstream)stream, true, NULL, -1);
 	if (!ret) {
 		pthread_mutex_lock(&c->st_lock);
 		c->st.stream_ops++;
@@ -1437,7 +1444,7 @@ static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t devptr
 	if (!io)
 		return cerr(-ENOMEM, "out of memory");
 	phx_cuda_io_prep(io, f, op, devptr, size, off);
-	ret = enqueue(c, io, true, bytes_done, (CUstream)stream, true, NULL);
+	ret = enqueue(c, io, true, bytes_done, (CUstream)stream, true, NULL, -1);
 	if (ret) {
 		free(io);
 		return ret;
@@ -1472,7 +1479,9 @@ CU_EXPORT int phx_cuda_submit(phx_cuda *c, struct phx_cuda_io *const *ios, size_
 	if (!c || (!ios && n))
 		return cerr(-EINVAL, "phx_cuda_submit: NULL argument");
 	for (i = 0; i < n; i++) {
-		ret = enqueue(c, ios[i], false, NULL, pick_stream(c), false, NULL);
+		int si = pick_stream(c);
+
+		ret = enqueue(c, ios[i], false, NULL, c->streams[si], false, NULL, si);
 		if (ret)
 			return ret;	/* earlier ones stay queued */
 	}
@@ -1488,8 +1497,10 @@ CU_EXPORT int phx_cuda_submit_after(phx_cuda *c, struct phx_cuda_io *const *ios,
 	if (!c || (!ios && n))
 		return cerr(-EINVAL, "phx_cuda_submit_after: NULL argument");
 	for (i = 0; i < n; i++) {
-		ret = enqueue(c, ios[i], false, NULL, pick_stream(c), true,
-			      stream ? (CUstream)stream : (CUstream)1 /* legacy */);
+		int si = pick_stream(c);
+
+		ret = enqueue(c, ios[i], false, NULL, c->streams[si], true,
+			      stream ? (CUstream)stream : (CUstream)1 /* legacy */, si);
 		if (ret)
 			return ret;
 	}
@@ -1555,7 +1566,9 @@ CU_EXPORT int phx_cuda_submit_wait(phx_cuda *c, struct phx_cuda_io *ios, size_t 
 	if (!c || (!ios && n))
 		return cerr(-EINVAL, "phx_cuda_submit_wait: NULL argument");
 	for (i = 0; i < n; i++) {
-		ret = enqueue(c, &ios[i], false, NULL, pick_stream(c), false, NULL);
+		int si = pick_stream(c);
+
+		ret = enqueue(c, &ios[i], false, NULL, c->streams[si], false, NULL, si);
 		if (ret)
 			break;
 		queued++;
@@ -1569,12 +1582,13 @@ static int64_t sync_io(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t devptr
 		       size_t len, uint64_t off)
 {
 	struct phx_cuda_io io;
-	int ret;
+	int ret, si;
 
 	if (!c)
 		return cerr(-EINVAL, "NULL context");
 	phx_cuda_io_prep(&io, f, op, devptr, len, off);
-	ret = enqueue(c, &io, false, NULL, pick_stream(c), false, NULL);
+	si = pick_stream(c);
+	ret = enqueue(c, &io, false, NULL, c->streams[si], false, NULL, si);
 	if (ret)
 		return ret;
 	phx_cuda_wait(c, &io, -1);
