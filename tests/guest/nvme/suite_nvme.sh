@@ -37,7 +37,9 @@ fi
 
 cd /tmp
 timeout 900 "$PY" -m pytest -v -s -p no:cacheprovider --rootdir="$PHX_REPO" \
-	"$PHX_REPO/tests/guest/nvme/test_nvme_guest.py" 2>&1 | tail -150
-rc=${PIPESTATUS[0]}
-if [ "$rc" = 0 ]; then pass nvme-pytest; else fail nvme-pytest "pytest rc=$rc"; fi
+	"$PHX_REPO/tests/guest/nvme/test_nvme_guest.py" >/tmp/pytest.log 2>&1
+rc=$?
+tail -200 /tmp/pytest.log
+summary=$(grep -E '^=+ .*(passed|failed|error).* =+$' /tmp/pytest.log | tail -1 | tr -d '=')
+if [ "$rc" = 0 ]; then pass nvme-pytest "$summary"; else fail nvme-pytest "pytest rc=$rc:$summary"; fi
 exit 0
