@@ -172,6 +172,15 @@ def test_readback_both_paths(tmp_path, shape, dtype):
     st.write(t, 9, new)
     d[9:13] = new
     assert _eq(st.read(t), d)
+    # asynchronous row writes on both paths
+    futs = []
+    for t, d in zip(ts, data):
+        row = _rand(rng, (1,) + shape[1:], dtype)
+        futs.append(st.write_async(t, rows - 2, row))
+        d[rows - 2:rows - 1] = row
+    assert [f.result() for f in futs] == [rows and ts[0].row_bytes] * len(ts)
+    for t, d in zip(ts, data):
+        assert _eq(st.read(t), d)
     with pytest.raises(IndexError):
         st.read(t, 0, rows + 1)
     with pytest.raises(ValueError):

@@ -14,8 +14,9 @@ Configurations:
 
 - ``baseline``: FlexLLMGen's ``TorchDisk``: one ``.npy`` file per tensor, opened with
   ``np.lib.format.open_memmap`` on every copy and sliced (page cache + mmap);
-- ``cachepolicy``: the same, plus ``posix_fadvise(DONTNEED)`` after every access to the
-  tensors Algorithm 1 keeps out of the page-cache budget;
+- ``cachepolicy``: the same, plus ``posix_fadvise(DONTNEED)`` after every write (the last
+  access of a step) to the tensors Algorithm 1 keeps out of the page-cache budget
+  (the budget less one tensor + readahead in transit per copy thread);
 - ``direct``: :class:`phx.kv.KVStore` with everything on the direct (O_DIRECT) path;
 - ``dual``: :class:`phx.kv.KVStore` in dual mode with the adaptive pipeline.
 
@@ -124,7 +125,8 @@ class MemmapIO:
         dst = relay[:nb].view(self.s.dtype).reshape((stop - start,) + self.s.tshape[1:])
         np.copyto(dst, mm[start:stop])
         del mm
-        self._evict(tid)
+        # no eviction here: the step's row write comes next and would fault the
+        # tensor back in (mmap read-around); evicting after that write is enough
         return nb
 
     def cached(self, tid: int, start: int, stop: int) -> tuple[int, int]:
@@ -144,7 +146,9 @@ class MemmapIO:
         return b
 
     def plan(self) -> dict:
-        return {"evict_from_layer": self.evict_from}
+        return {"evict_from_layer": self.evict_from,
+                "layers_pagecache": list(range(self.evict_from or 0))
+                if self.evict_from is not None else None}
 
     def close(self) -> None:
         for fd, p in zip(self.fds, self.paths):
@@ -230,8 +234,11 @@ def run_worker(c: dict) -> dict:
     if cfg == "baseline":
         io = MemmapIO(s, d)
     elif cfg == "cachepolicy":
+        # the evicted tensors still pass through the page cache on their way: leave room
+        # for one tensor (+ readahead) per copy thread, or they push the kept ones out
         pb = round_up(s.tensor_bytes, 4096) * 2
-        n1 = place_layers([pb] * s.layers, budget.bytes).n1
+        transit = threads * (round_up(s.tensor_bytes, 4096) + _readahead_bytes(d))
+        n1 = place_layers([pb] * s.layers, budget.bytes - transit).n1
         io = MemmapIO(s, d, evict_from_layer=n1)
     elif cfg == "direct":
         io = StoreIO(s, d, "direct", pinned, c.get("reserve"))
@@ -388,6 +395,20 @@ def _plain_one(job: CopyJob, relay: np.ndarray) -> int:
     nb = job.read(relay)
     job.dma(relay, nb)
     return nb
+
+
+def _readahead_bytes(path: str) -> int:
+    """The readahead window of the disk holding ``path`` (128 KiB if unknown)."""
+    try:
+        dev = os.stat(path).st_dev
+        p = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for cand in (p + "/queue/read_ahead_kb", p + "/../queue/read_ahead_kb"):
+            if os.path.exists(cand):
+                with open(cand) as f:
+                    return int(f.read()) * 1024
+    except (OSError, ValueError):
+        pass
+    return 128 * 1024
 
 
 def _block_read_bytes() -> int | None:

@@ -236,7 +236,7 @@ def _row_line(r: dict) -> str:
          f"dev read {r['decode_device_read_bytes'] / 1e9:5.2f} GB")
     if r.get("pipeline"):
         s += f"  P·P {r['pipeline']['choice']}"
-    if r.get("plan") and "layers_pagecache" in r["plan"]:
+    if r.get("plan") and r["plan"].get("layers_pagecache") is not None:
         s += f"  n1 {len(r['plan']['layers_pagecache'])}"
     return s
 
