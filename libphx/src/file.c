@@ -4,6 +4,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -87,6 +88,18 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 		acc = fl & O_ACCMODE;
 	f->readable = acc != O_WRONLY;
 	f->writable = acc != O_RDONLY;
+	f->alt_fd = -1;
+	if (f->direct && (fl & O_ACCMODE) == O_WRONLY) {
+		/*
+		 * Write-only permission: partial blocks cannot be read for a
+		 * read-modify-write, so they are written through the page cache
+		 * (counted as buffered bytes) on a second, buffered descriptor.
+		 */
+		char proc[64];
+
+		snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+		f->alt_fd = open(proc, O_WRONLY | O_CLOEXEC);
+	}
 	file_alignment(f);
 	pthread_mutex_lock(&eng->lock);
 	file_register(eng, f);
@@ -99,6 +112,50 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 
 static int file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
 		     uint32_t phx_flags, phx_file **out);
+
+/*
+ * open(2) with O_DIRECT (in @flags unless buffered was asked for), with the
+ * fallbacks a caller expects; returns an fd or -errno.
+ */
+static int open_direct(const char *path, int flags, mode_t mode,
+		       uint32_t phx_flags)
+{
+	int try = flags, fd, err;
+	bool existed = true;
+	struct stat st;
+
+	if (flags & O_CREAT)
+		existed = !stat(path, &st);
+	/*
+	 * Partial-block O_DIRECT writes read the block first, so a write-only
+	 * request is opened read-write where permissions allow.
+	 */
+	if ((flags & O_DIRECT) && (flags & O_ACCMODE) == O_WRONLY)
+		try = (flags & ~O_ACCMODE) | O_RDWR;
+	fd = open(path, try, mode);
+	if (fd < 0 && errno == EACCES && try != flags) {
+		try = flags;
+		fd = open(path, try, mode);
+	}
+	if (fd >= 0 || errno != EINVAL || !(try & O_DIRECT))
+		return fd >= 0 ? fd : -errno;
+
+	/* EINVAL with O_DIRECT: a directory, or a filesystem without it. */
+	if (!stat(path, &st) && S_ISDIR(st.st_mode))
+		return -EISDIR;
+	/* The open may have created the file before refusing O_DIRECT. */
+	if (!existed && !stat(path, &st))
+		try &= ~O_EXCL;
+	if (phx_flags & PHX_FILE_ALLOW_BUFFERED) {
+		fd = open(path, try & ~O_DIRECT, mode);
+		if (fd >= 0)
+			return fd;
+	}
+	err = fd < 0 && errno != EINVAL ? -errno : -EINVAL;
+	if (!existed && !(phx_flags & PHX_FILE_ALLOW_BUFFERED))
+		unlink(path);
+	return err;
+}
 
 PHX_EXPORT int phx_file_open(phx_engine *eng, const char *path, int flags,
 			     mode_t mode, uint32_t phx_flags, phx_file **out)
@@ -127,20 +184,9 @@ static int file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
 		flags |= O_DIRECT;
 	else
 		flags &= ~O_DIRECT;
-	/*
-	 * Partial-block O_DIRECT writes read the block first, so a write-only
-	 * request is opened read-write where permissions allow.
-	 */
-	fd = -1;
-	if ((flags & O_DIRECT) && (flags & O_ACCMODE) == O_WRONLY)
-		fd = open(path, (flags & ~O_ACCMODE) | O_RDWR, mode);
-	if (fd < 0)
-		fd = open(path, flags, mode);
-	if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) &&
-	    (phx_flags & PHX_FILE_ALLOW_BUFFERED))
-		fd = open(path, flags & ~O_DIRECT, mode);
+	fd = open_direct(path, flags, mode, phx_flags);
 	if (fd < 0) {
-		ret = -errno;
+		ret = fd;
 		return phx_err(ret, "%s%s", path,
 			       ret == -EINVAL && (flags & O_DIRECT) ?
 			       " (the filesystem refuses O_DIRECT; open buffered to use the page cache)" : "");
@@ -173,6 +219,8 @@ static void file_free(phx_engine *eng, phx_file *f)
 		}
 	}
 	file_unregister(eng, f);
+	if (f->alt_fd >= 0)
+		close(f->alt_fd);
 	if (f->owns_fd)
 		close(f->fd);
 	free(f);

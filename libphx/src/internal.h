@@ -46,6 +46,7 @@ enum chunk_kind {
 struct phx_file {
 	phx_engine *eng;
 	int fd;
+	int alt_fd;		/* buffered fd for partial blocks, or -1 */
 	bool owns_fd;
 	bool direct;
 	bool readable;
@@ -94,6 +95,7 @@ struct chunk {
 	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
 	bool in_use;
 	bool rmw;		/* a read-modify-write, in either phase */
+	bool alt;		/* on the file's buffered alt_fd */
 	int bounce;		/* bounce index, or -1 */
 	int buf_index;		/* fixed-buffer index, or -1 */
 	char *mem;		/* memory of the device op */

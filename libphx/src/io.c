@@ -172,6 +172,14 @@ static void io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
 		n->kind = CH_BOUNCE_READ;
 	} else if (cur == d0 && ue == d1) {
 		n->kind = CH_BOUNCE_WRITE;
+	} else if (f->alt_fd >= 0) {
+		/* Cannot read it back: the partial blocks go via the page cache. */
+		n->kind = CH_BUFFERED;
+		n->alt = true;
+		n->rmw = true;
+		n->dev_off = cur;
+		n->dev_len = ue - cur;
+		n->mem = (char *)io->buf + (cur - io->offset);
 	} else {
 		n->kind = CH_RMW_READ;
 		n->op = PHX_OP_READ;
@@ -197,7 +205,8 @@ static void chunk_prep(phx_engine *eng, struct chunk *c)
 {
 	struct io_uring_sqe *sqe = io_uring_get_sqe(&eng->ring);
 	phx_file *f = c->io->file;
-	int fd = f->slot >= 0 ? f->slot : f->fd;
+	bool fixed = f->slot >= 0 && !c->alt;
+	int fd = c->alt ? f->alt_fd : fixed ? f->slot : f->fd;
 	char *mem = c->mem + c->done;
 	unsigned len = (unsigned)(c->dev_len - c->done);
 	uint64_t off = c->dev_off + c->done;
@@ -214,7 +223,7 @@ static void chunk_prep(phx_engine *eng, struct chunk *c)
 	} else {
 		io_uring_prep_write(sqe, fd, mem, len, off);
 	}
-	if (f->slot >= 0)
+	if (fixed)
 		sqe->flags |= IOSQE_FIXED_FILE;
 	io_uring_sqe_set_data(sqe, c);
 	eng->unsubmitted++;

@@ -10,14 +10,17 @@ from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBuffer_IsContiguous,
                              PyObject_GetBuffer, PyBuffer_FillInfo)
 from libc.errno cimport EBADF, EBUSY, EINVAL
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
+from cpython.exc cimport PyErr_CheckSignals
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
+from libc.string cimport memset, strchr
 from posix.stdlib cimport posix_memalign
+from posix.unistd cimport usleep
 
 from phx._lib.libphx cimport *
 
 cimport cython
 
+import operator as _operator
 import os as _os
 import weakref as _weakref
 
@@ -114,6 +117,9 @@ cdef _Buf _get_buf(object obj, bint writable, object path):
             b.release()
             raise BufferReadOnlyError(
                 EINVAL, "cannot read into a read-only buffer", path)
+        if b.view.format != NULL and strchr(b.view.format, b'O') != NULL:
+            b.release()
+            raise TypeError("buffer of Python objects (dtype=object): its bytes are pointers")
         b.ptr = b.view.buf
         b.nbytes = <size_t>b.view.len
         return b
@@ -400,14 +406,22 @@ cdef class Future:
         Raises :class:`TimeoutError` on timeout and :class:`OSError` if the
         request failed.
         """
-        cdef int64_t t = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef int64_t left = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef int64_t step
         cdef int rc = 0
         cdef phx_engine *e = self.file.engine.eng
-        if not self.io.done:
+        # Wait in slices so that Ctrl-C (and other signals) get through.
+        while not self.io.done:
+            step = 100000000 if left < 0 or left > 100000000 else left
             with nogil:
-                rc = phx_wait(e, self.io, t)
-            if rc == -62:   # ETIME
-                raise TimeoutError(f"request on {self.file.path} not complete after {timeout} s")
+                rc = phx_wait(e, self.io, step)
+            if self.io.done:
+                break
+            PyErr_CheckSignals()
+            if left >= 0:
+                left -= step
+                if left <= 0:
+                    raise TimeoutError(f"request on {self.file.path} not complete after {timeout} s")
         self._finish()
         if self.io.result < 0:
             raise _error(<int>self.io.result, self.file.path,
@@ -474,6 +488,8 @@ cdef class File:
     cdef readonly bint align_from_statx
     cdef set _pending
     cdef object _gpu
+    cdef int _users          # calls inside libphx right now (GIL released)
+    cdef bint _closing
     cdef object __weakref__
 
     def __cinit__(self, Engine engine, path, mode="r", bint direct=True,
@@ -521,13 +537,13 @@ cdef class File:
             self.f = NULL
 
     cdef phx_file *_get(self) except NULL:
-        if self.f == NULL:
+        if self.f == NULL or self._closing:
             raise ClosedFileError(EBADF, "I/O operation on a closed file", self.path)
         return self.f
 
     @property
     def closed(self) -> bool:
-        return self.f == NULL
+        return self.f == NULL or self._closing
 
     @property
     def _c_file(self) -> int:
@@ -550,9 +566,9 @@ cdef class File:
         """Current file size in bytes."""
         return _os.fstat(self.fileno()).st_size
 
-    def truncate(self, size: int) -> None:
+    def truncate(self, size) -> None:
         """Set the file's size."""
-        _os.ftruncate(self.fileno(), size)
+        _os.ftruncate(self.fileno(), _operator.index(size))
 
     def fsync(self) -> None:
         """Flush the file's data and metadata to the device."""
@@ -564,25 +580,31 @@ cdef class File:
             self._gpu = gpu
         return self._gpu
 
-    cdef int _check(self, bint write, offset) except -1:
+    cdef object _check(self, bint write, offset):
+        """Validate a call; returns the offset as an int (TypeError for floats)."""
         self._get()
+        offset = _operator.index(offset)
         if offset < 0:
             raise OSError(EINVAL, "negative offset", self.path)
         if write and not self.writable:
             raise OSError(EBADF, "file not open for writing", self.path)
         if not write and not self.readable:
             raise OSError(EBADF, "file not open for reading", self.path)
-        return 0
+        return offset
 
     cdef int64_t _sync(self, bint write, buf, uint64_t offset) except? -1:
         cdef _Buf b = _get_buf(buf, not write, self.path)
         cdef int64_t r
-        cdef phx_file *f = self.f
-        with nogil:
-            if write:
-                r = phx_pwrite(f, b.ptr, b.nbytes, offset)
-            else:
-                r = phx_pread(f, b.ptr, b.nbytes, offset)
+        cdef phx_file *f = self._get()
+        self._users += 1
+        try:
+            with nogil:
+                if write:
+                    r = phx_pwrite(f, b.ptr, b.nbytes, offset)
+                else:
+                    r = phx_pread(f, b.ptr, b.nbytes, offset)
+        finally:
+            self._users -= 1
         b.release()
         if r < 0:
             raise _error(<int>r, self.path)
@@ -594,14 +616,14 @@ cdef class File:
         ``buf``: anything with the writable buffer protocol, a numpy array, a
         contiguous torch tensor (CPU, or CUDA through :mod:`phx.gpu`).
         """
-        self._check(False, offset)
+        offset = self._check(False, offset)
         if is_device_buffer(buf):
             return self._device().pread(self, buf, offset)
         return self._sync(False, buf, offset)
 
     def pwrite(self, buf, offset=0) -> int:
         """Write all of ``buf`` at ``offset``; returns the bytes written."""
-        self._check(True, offset)
+        offset = self._check(True, offset)
         if is_device_buffer(buf):
             return self._device().pwrite(self, buf, offset)
         return self._sync(True, buf, offset)
@@ -617,11 +639,15 @@ cdef class File:
         if fut.io == NULL:
             raise MemoryError()
         io = fut.io
-        phx_io_prep(io, self.f, PHX_OP_WRITE if write else PHX_OP_READ,
+        phx_io_prep(io, self._get(), PHX_OP_WRITE if write else PHX_OP_READ,
                     fut.buf.ptr, fut.buf.nbytes, offset)
         io.flags = PHX_IO_NO_POLL
-        with nogil:
-            rc = phx_submit(e, &io, 1)
+        self._users += 1
+        try:
+            with nogil:
+                rc = phx_submit(e, &io, 1)
+        finally:
+            self._users -= 1
         if rc < 0:
             fut.buf.release()
             free(fut.io)
@@ -632,14 +658,14 @@ cdef class File:
 
     def pread_async(self, buf, offset=0):
         """Start a read; returns a :class:`Future` whose ``result()`` is the byte count."""
-        self._check(False, offset)
+        offset = self._check(False, offset)
         if is_device_buffer(buf):
             return self._device().pread_async(self, buf, offset)
         return self._submit(False, buf, offset)
 
     def pwrite_async(self, buf, offset=0):
         """Start a write; returns a :class:`Future`."""
-        self._check(True, offset)
+        offset = self._check(True, offset)
         if is_device_buffer(buf):
             return self._device().pwrite_async(self, buf, offset)
         return self._submit(True, buf, offset)
@@ -658,10 +684,11 @@ cdef class File:
         ios = <phx_io *>calloc(n, sizeof(phx_io))
         if ios == NULL:
             raise MemoryError()
+        self._users += 1
         try:
             for i in range(n):
                 buf, off = items[i]
-                self._check(write, off)
+                off = self._check(write, off)
                 b = _get_buf(buf, not write, self.path)
                 bufs.append(b)
                 phx_io_prep(&ios[i], self.f, PHX_OP_WRITE if write else PHX_OP_READ,
@@ -672,6 +699,7 @@ cdef class File:
                 raise _error(rc, self.path)
             out = [ios[i].result for i in range(n)]
         finally:
+            self._users -= 1
             for b in bufs:
                 b.release()
             free(ios)
@@ -697,17 +725,27 @@ cdef class File:
     def close(self) -> None:
         """Wait for this file's outstanding requests, then close it."""
         cdef int rc
-        if self.f == NULL:
+        if self.f == NULL or self._closing:
             return
-        for fut in list(self._pending):
-            try:
-                fut.result()
-            except OSError:
-                pass
-        rc = phx_file_close(self.f)
-        if rc < 0:
-            raise _error(rc, self.path)
-        self.f = NULL
+        # New calls now fail; calls already inside libphx finish first.
+        self._closing = True
+        try:
+            while self._users or self._pending:
+                for fut in list(self._pending):
+                    try:
+                        fut.result()
+                    except OSError:
+                        pass
+                if self._users:
+                    with nogil:
+                        usleep(200)
+            rc = phx_file_close(self.f)
+            if rc < 0:
+                raise _error(rc, self.path)
+            self.f = NULL
+        finally:
+            if self.f != NULL:
+                self._closing = False
 
     def __enter__(self):
         return self
