@@ -568,6 +568,19 @@ static int cmd_validate(const struct bdf *b, int bar)
 				     ioctl(fd2, PHX_IOC_UNREGISTER, &u), ENOENT);
 			close(fd2);
 		}
+		/* PTEs dropped by MADV_DONTNEED come back on the next touch */
+		p = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)r0.mmap_offset);
+		if (p == MAP_FAILED) {
+			FAIL("validate mmap: %s", strerror(errno));
+		} else {
+			memset(p, 0x3c, 8192);
+			if (madvise(p, 2 << 20, MADV_DONTNEED))
+				FAIL("validate madvise: %s", strerror(errno));
+			if (((uint8_t *)p)[4096] != 0x3c)
+				FAIL("validate: refault after MADV_DONTNEED lost the bytes");
+			munmap(p, 2 << 20);
+		}
 		/* a sub-range mapping at an offset works */
 		p = mmap(NULL, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
 			 (off_t)(r0.mmap_offset + (1 << 20)));

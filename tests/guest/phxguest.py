@@ -274,8 +274,9 @@ for d in /sys/bus/pci/devices/*; do
         BDF=${d##*/}
     fi
 done
-NV=
-for n in $(ls /sys/class/nvme 2>/dev/null | sort -V); do NV="$NV /dev/${n}n1"; done
+# namespaces in --nvme order: the harness gives controller i the serial phx000i
+NV=$(for c in /sys/class/nvme/nvme*; do [ -e $c/serial ] && echo "$(cat $c/serial) ${c##*/}"; done |
+     sort | while read -r _ c; do printf ' /dev/%sn1' $c; done)
 echo "guest: ivshmem at $BDF, nvme:$NV"
 env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
     PHX_IVSHMEM_BDF=$BDF PHX_NVME="$NV" $(cat /host$RUN/env) \
@@ -483,7 +484,9 @@ def main():
     env.update({k: v.replace(" ", ",") for k, v in os.environ.items()
                 if k.startswith("PHX_SUITE_")})
     (rundir / "env").write_text(" ".join(f"{k}={v}" for k, v in env.items()))
-    (rundir / "script").write_text(str(suite))
+    # the guest's /tmp is its own tmpfs: run a copy kept in the run folder
+    shutil.copy(suite, rundir / suite.name)
+    (rundir / "script").write_text(str(rundir / suite.name))
     expects = []
     for ln in suite.read_text().splitlines():
         if ln.startswith("# PHX-EXPECT:"):
