@@ -529,7 +529,14 @@ def acceptance_checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         best = max((r for r in seq if r["bs"] == bs), key=lambda r: r["gbps"])
         phx = _find(results, "read", bs, best["qd"], "phx")
         ratio = phx["gbps"] / best["gbps"] if phx and phx.get("gbps") else None
+        every_qd = {}
+        for r in seq:
+            if r["bs"] == bs:
+                p = _find(results, "read", bs, r["qd"], "phx")
+                if p and p.get("gbps"):
+                    every_qd[r["qd"]] = p["gbps"] / r["gbps"]
         checks.append({"check": name, "op": "read", "bs": bs, "qd": best["qd"],
+                       "ratio_at_every_qd": every_qd,
                        "fio": best["gbps"], "phx": phx.get("gbps") if phx else None,
                        "fio_spread": best["spread"], "phx_spread": phx.get("spread") if phx else None,
                        "unit": "GB/s", "ratio": ratio, "threshold": SEQ_READ_MIN_RATIO,
@@ -584,6 +591,10 @@ def print_checks(checks: list[dict[str, Any]], file=sys.stdout) -> None:
               f"ratio {c['ratio']:.3f} (need >= {c['threshold']:g}); spread phx "
               f"{100 * c['phx_spread']:.0f}%, fio {100 * c['fio_spread']:.0f}%{verdict}",
               file=file)
+        if len(c.get("ratio_at_every_qd", {})) > 1:
+            print("        phx / fio at each QD: " + ", ".join(
+                f"QD {q}: {v:.3f}" for q, v in sorted(c["ratio_at_every_qd"].items())),
+                file=file)
 
 
 def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
