@@ -119,7 +119,7 @@ def debian_version():
     """The ABI name of bookworm's current 6.12 kernel, e.g. 6.12.117+deb12."""
     if os.environ.get("PHX_GUEST_KVER"):
         return os.environ["PHX_GUEST_KVER"]
-    for attempt in (0, 1):
+    for attempt in (0, 1, 2):
         try:
             out = sh_out(["apt-cache", "depends", "linux-image-6.12-amd64"])
             m = re.search(r"Depends: linux-image-(6\.12\.\S+)-amd64", out)
@@ -127,7 +127,12 @@ def debian_version():
                 return m.group(1)
         except subprocess.CalledProcessError:
             pass
-        if attempt == 0:
+        if attempt == 1:
+            # bookworm-security carries 6.12; without it, bookworm-backports does
+            src = Path("/etc/apt/sources.list.d/phx-bookworm-backports.list")
+            log(f"no 6.12 kernel in the apt sources: adding {src}")
+            src.write_text("deb http://deb.debian.org/debian bookworm-backports main\n")
+        if attempt < 2:
             run(["apt-get", "update", "-qq"])
     raise SystemExit("no linux-image-6.12-amd64 in the apt sources "
                      "(bookworm-security or bookworm-backports needed)")

@@ -17,6 +17,6 @@ test-guest-nvme:
 # phx bench nvme in the guest on a 512 MiB namespace (docs/nvme.md).
 bench-guest-nvme:
 	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_bench.sh \
-		--nvme size=1G,lba=4096,mdts=7 --mem 2G --timeout 1200
+		--nvme size=1G,lba=4096,mdts=7 --mem 2G --timeout 1200 --keep
 
 test-guest:: test-guest-nvme
