@@ -5,11 +5,12 @@
  *
  * phx must load on machines without the NVIDIA driver, so it neither
  * includes nv-p2p.h nor links against the nvidia_p2p_* symbols: the API is
- * declared below from its documentation and resolved at registration time.
- * symbol_get() refuses non-GPL exports since Linux 6.6 and the NVIDIA
- * exports are plain EXPORT_SYMBOL, so the address is found through a
- * kprobe lookup where symbol_get() fails.  A module notifier forgets the
- * addresses when the nvidia module goes away.
+ * declared in phx_nv_p2p.h from its documentation and resolved at
+ * registration time.  symbol_get() refuses non-GPL exports since Linux 6.6
+ * and the NVIDIA exports are plain EXPORT_SYMBOL, so the addresses are
+ * found through a kprobe lookup (register_kprobe() resolves any symbol,
+ * module symbols included, and is unregistered at once).  A module
+ * notifier forgets the addresses when the nvidia module goes away.
  *
  * p2p_token 0 / va_space 0 ask the driver for the caller's own address
  * space: a process can only register GPU memory it owns.  When the memory
@@ -35,7 +36,6 @@ struct phx_nv_api {
 	nvidia_p2p_get_pages_fn get_pages;
 	nvidia_p2p_put_pages_fn put_pages;
 	nvidia_p2p_free_page_table_fn free_page_table;
-	bool from_symbol_get;
 };
 
 static DEFINE_MUTEX(phx_nv_lock);
@@ -57,38 +57,14 @@ static void *phx_nv_lookup(const char *name)
 #endif
 }
 
-static void phx_nv_forget(void)
-{
-	if (phx_nv.from_symbol_get) {
-		symbol_put(nvidia_p2p_get_pages);
-		symbol_put(nvidia_p2p_put_pages);
-		symbol_put(nvidia_p2p_free_page_table);
-	}
-	memset(&phx_nv, 0, sizeof(phx_nv));
-}
-
 /* Fill phx_nv if the driver is there; called with phx_nv_lock held. */
 static bool phx_nv_resolve(void)
 {
 	if (phx_nv.get_pages)
 		return true;
-	phx_nv.get_pages = symbol_get(nvidia_p2p_get_pages);
-	phx_nv.put_pages = symbol_get(nvidia_p2p_put_pages);
-	phx_nv.free_page_table = symbol_get(nvidia_p2p_free_page_table);
-	if (phx_nv.get_pages && phx_nv.put_pages && phx_nv.free_page_table) {
-		phx_nv.from_symbol_get = true;
-		return true;
-	}
-	if (phx_nv.get_pages)
-		symbol_put(nvidia_p2p_get_pages);
-	if (phx_nv.put_pages)
-		symbol_put(nvidia_p2p_put_pages);
-	if (phx_nv.free_page_table)
-		symbol_put(nvidia_p2p_free_page_table);
 	phx_nv.get_pages = phx_nv_lookup("nvidia_p2p_get_pages");
 	phx_nv.put_pages = phx_nv_lookup("nvidia_p2p_put_pages");
 	phx_nv.free_page_table = phx_nv_lookup("nvidia_p2p_free_page_table");
-	phx_nv.from_symbol_get = false;
 	if (phx_nv.get_pages && phx_nv.put_pages && phx_nv.free_page_table)
 		return true;
 	memset(&phx_nv, 0, sizeof(phx_nv));
@@ -112,8 +88,7 @@ static int phx_nv_module_event(struct notifier_block *nb, unsigned long ev,
 
 	if (ev == MODULE_STATE_GOING && !strcmp(mod->name, "nvidia")) {
 		mutex_lock(&phx_nv_lock);
-		if (!phx_nv.from_symbol_get)
-			memset(&phx_nv, 0, sizeof(phx_nv));
+		memset(&phx_nv, 0, sizeof(phx_nv));
 		mutex_unlock(&phx_nv_lock);
 	}
 	return NOTIFY_DONE;
@@ -131,9 +106,6 @@ int phx_nvidia_init(void)
 void phx_nvidia_exit(void)
 {
 	unregister_module_notifier(&phx_nv_nb);
-	mutex_lock(&phx_nv_lock);
-	phx_nv_forget();
-	mutex_unlock(&phx_nv_lock);
 }
 
 /* ---- the provider ---- */
