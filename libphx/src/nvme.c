@@ -430,44 +430,53 @@ static int cmd_error(phx_nvme *nv, const struct cmdinfo *ci, int res)
 		       nv->path, op_name(ci->opcode), ci->nlb, (unsigned long long)ci->slba);
 }
 
+/* The next command into *c / *ci, with a slot taken from the free list. */
+static bool pump_prepare(struct pump *p, uint32_t *freel, uint32_t *nfree,
+			 struct nvme_uring_cmd *c, struct cmdinfo *ci, uint32_t *slot)
+{
+	*slot = freel[*nfree - 1];
+	memset(c, 0, sizeof(*c));
+	memset(ci, 0, sizeof(*ci));
+	ci->buf_index = -1;
+	if (!p->next(p, *slot, c, ci))
+		return false;
+	(*nfree)--;
+	return true;
+}
+
+/*
+ * Keep up to queue_depth commands in flight until the generator has no more
+ * and all have completed.  One command is always prepared ahead (it holds
+ * slot queue_depth + 1), so the pump knows when the last one has gone out.
+ */
 static int pump_run(struct pump *p)
 {
 	phx_nvme *nv = p->nv;
 	struct io_uring *ring = &p->q->ring;
-	uint32_t qd = nv->info.queue_depth, inflight = 0, nfree = qd, i;
-	struct cmdinfo *slots;
+	uint32_t qd = nv->info.queue_depth, inflight = 0, nfree = qd + 1, i, slot;
+	struct nvme_uring_cmd c;
+	struct cmdinfo ci, *slots;
 	uint32_t *freel;
-	bool more = true;
+	bool have;
 	int ret, fails = 0;
 
-	slots = calloc(qd, sizeof(*slots));
-	freel = calloc(qd, sizeof(*freel));
+	slots = calloc(qd + 1, sizeof(*slots));
+	freel = calloc(qd + 1, sizeof(*freel));
 	if (!slots || !freel) {
 		free(slots);
 		free(freel);
 		return phx_err(-ENOMEM, "out of memory");
 	}
-	for (i = 0; i < qd; i++)
-		freel[i] = qd - 1 - i;
+	for (i = 0; i <= qd; i++)
+		freel[i] = qd - i;
 
-	while (more || inflight) {
-		while (more && inflight < qd) {
-			struct nvme_uring_cmd c;
-			struct cmdinfo ci;
-			struct io_uring_sqe *sqe;
-			uint32_t slot = freel[nfree - 1];
+	have = pump_prepare(p, freel, &nfree, &c, &ci, &slot);
+	while (have || inflight) {
+		while (have && inflight < qd) {
+			struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
 
-			memset(&c, 0, sizeof(c));
-			memset(&ci, 0, sizeof(ci));
-			ci.buf_index = -1;
-			if (!p->next(p, slot, &c, &ci)) {
-				more = false;
-				break;
-			}
-			sqe = io_uring_get_sqe(ring);
 			if (!sqe)	/* cannot happen: the ring has qd entries */
 				abort();
-			nfree--;
 			memset(sqe, 0, 2 * sizeof(*sqe));
 			sqe->opcode = IORING_OP_URING_CMD;
 			sqe->fd = nv->fd;
@@ -484,13 +493,20 @@ static int pump_run(struct pump *p)
 			slots[slot] = ci;
 			inflight++;
 			ST_ADD(nv, commands, 1);
+			have = pump_prepare(p, freel, &nfree, &c, &ci, &slot);
 		}
 		if (!inflight)
 			break;
 		st_max(nv, inflight);
-		ret = io_uring_submit_and_wait(ring, 1);
+		/*
+		 * While commands are left, wake at the first completion to
+		 * refill its slot; once all are in flight, sleep until the last
+		 * one is done (one system call instead of one per command).
+		 */
+		ret = io_uring_submit_and_wait(ring, have ? 1 : inflight);
 		ST_ADD(nv, submits, 1);
-		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
+		if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY &&
+		    ret != -ETIME) {
 			if (++fails < 100)
 				continue;
 			/* The ring is unusable; commands may be stuck in it. */
@@ -503,19 +519,19 @@ static int pump_run(struct pump *p)
 		fails = 0;
 		for (;;) {
 			struct io_uring_cqe *cqe;
-			uint32_t slot;
+			uint32_t done;
 			int res;
 
 			if (io_uring_peek_cqe(ring, &cqe) || !cqe)
 				break;
-			slot = (uint32_t)cqe->user_data;
+			done = (uint32_t)cqe->user_data;
 			res = cqe->res;
 			io_uring_cqe_seen(ring, cqe);
-			if (slot >= qd)
+			if (done > qd)
 				continue;
 			inflight--;
-			freel[nfree++] = slot;
-			p->done(p, &slots[slot], res);
+			freel[nfree++] = done;
+			p->done(p, &slots[done], res);
 		}
 	}
 	free(slots);
@@ -1065,7 +1081,7 @@ struct range_ctx {
 	uint8_t opcode;		/* DSM, Write Zeroes or Flush */
 	bool deac;		/* Write Zeroes: ask to deallocate */
 	bool flushed;
-	char *ranges;		/* DSM: one 4 KiB range list per slot */
+	char *ranges;		/* DSM: one 4 KiB range list per slot (qd + 1) */
 	uint32_t status;
 };
 
@@ -1148,7 +1164,7 @@ static int run_range(phx_nvme *nv, uint8_t opcode, bool deac, uint64_t slba,
 	x.opcode = opcode;
 	x.deac = deac;
 	if (opcode == NVME_OP_DSM &&
-	    posix_memalign((void **)&x.ranges, 4096, (size_t)nv->info.queue_depth * 4096))
+	    posix_memalign((void **)&x.ranges, 4096, ((size_t)nv->info.queue_depth + 1) * 4096))
 		return phx_err(-ENOMEM, "out of memory");
 	q = queue_get(nv);
 	if (!q) {

@@ -10,12 +10,13 @@ PHX_GUEST_NVME_DEVS ?= --nvme size=64M,lba=4096,mdts=3 --nvme size=64M,lba=512,m
 
 .PHONY: test-guest-nvme bench-guest-nvme
 
-test-guest-nvme:
+# `build`: the guest runs the host's .venv (phx.nvme, pytest) over 9p.
+test-guest-nvme: build
 	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_nvme.sh $(PHX_GUEST_NVME_DEVS) \
 		--timeout 900
 
 # phx bench nvme in the guest on a 512 MiB namespace (docs/nvme.md).
-bench-guest-nvme:
+bench-guest-nvme: build
 	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_bench.sh \
 		--nvme size=1G,lba=4096,mdts=7 --mem 2G --timeout 1200 --keep
 
