@@ -374,9 +374,6 @@ def test_cupy_and_dlpack(big_file):
     assert_same(host(t), data[29:29 + t.numel()], "dlpack")
 
 
-@pytest.mark.xfail(reason="phx._lib.engine.is_device_buffer() tests the buffer protocol "
-                   "before __cuda_array_interface__, and CuPy arrays fill the buffer slot, "
-                   "so File routes them to the host path", strict=False)
 def test_file_routes_cupy_arrays(big_file):
     path, data = big_file
     cp = pytest.importorskip("cupy")

@@ -22,6 +22,7 @@ cimport cython
 
 import operator as _operator
 import os as _os
+import sys as _sys
 import weakref as _weakref
 
 __version__ = phx_version().decode()
@@ -88,10 +89,11 @@ cdef bint _is_torch(object obj):
 def is_device_buffer(obj) -> bool:
     """True for GPU memory: CUDA torch tensors, ``__cuda_array_interface__``
     objects, and DLPack objects on a CUDA device."""
-    if PyObject_CheckBuffer(obj):
-        return False
+    # CUDA interfaces first: some GPU arrays (CuPy) also offer the buffer protocol.
     if hasattr(obj, "__cuda_array_interface__"):
         return True
+    if PyObject_CheckBuffer(obj):
+        return False
     if _is_torch(obj):
         return bool(getattr(obj, "is_cuda", False))
     dev = getattr(obj, "__dlpack_device__", None)
@@ -288,7 +290,11 @@ cdef class Engine:
         vals = (st.reads, st.writes, st.bytes_read, st.bytes_written, st.direct_bytes,
                 st.bounce_bytes, st.buffered_bytes, st.bounce_ios, st.rmw_ios,
                 st.short_ios, st.fixed_buf_ios, st.sqes, st.submits, st.errors)
-        return dict(zip(_STATS_FIELDS, vals))
+        out = dict(zip(_STATS_FIELDS, vals))
+        gpu = _sys.modules.get("phx.gpu")     # only if GPU I/O was ever used
+        if gpu is not None:
+            out.update(gpu.engine_stats(self))
+        return out
 
     def reset_stats(self) -> None:
         """Zero the counters."""
@@ -714,12 +720,18 @@ cdef class File:
 
         All requests are in flight together (up to the engine's queue depth);
         returns the byte count of each.  Raises the first failure's OSError
-        after all have finished.
+        after all have finished.  GPU buffers go through :mod:`phx.gpu`.
         """
+        reqs = list(reqs)
+        if reqs and is_device_buffer(reqs[0][0]):
+            return self._device().pread_batch(self, reqs)
         return self._batch(False, reqs)
 
     def pwrite_batch(self, reqs) -> list:
         """Write a list of ``(buffer, offset)`` pairs in one submission."""
+        reqs = list(reqs)
+        if reqs and is_device_buffer(reqs[0][0]):
+            return self._device().pwrite_batch(self, reqs)
         return self._batch(True, reqs)
 
     def close(self) -> None:
