@@ -33,7 +33,7 @@ Exit status: 0 pass, 1 fail, 77 cannot run here (no qemu and no apt).
 """
 
 import argparse
-import gzip
+import fcntl
 import hashlib
 import os
 import re
@@ -459,19 +459,24 @@ def main():
         print("PHX-SKIP no apt and no qemu here")
         return 77
     t0 = time.time()
-    apt_install(HOST_PACKAGES)
     CACHE.mkdir(parents=True, exist_ok=True)
-    kern = debian_kernel() if a.kernel == "debian" else p2pdma_kernel(a.jobs)
-    ko = build_module(kern)
-    bindir = build_programs()
-    initrd = build_initramfs(kern)
-    log(f"prepared in {time.time() - t0:.0f} s: kernel {kern.kver}, {ko}")
-    if a.prepare_only:
-        return 0
-
     runs = CACHE / "runs"
     runs.mkdir(exist_ok=True)
     rundir = Path(tempfile.mkdtemp(prefix=f"{suite.stem}-{a.kernel}-", dir=runs))
+    # Several harness runs may share the cache: prepare under a lock, then
+    # give this run its own copies of what the guest uses.
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        apt_install(HOST_PACKAGES)
+        kern = debian_kernel() if a.kernel == "debian" else p2pdma_kernel(a.jobs)
+        ko = shutil.copy(build_module(kern), rundir / "phx.ko")
+        bindir = shutil.copytree(build_programs(), rundir / "bin")
+        initrd = shutil.copy(build_initramfs(kern), rundir / "initrd.cpio.gz")
+    log(f"prepared in {time.time() - t0:.0f} s: kernel {kern.kver}, {ko}")
+    if a.prepare_only:
+        shutil.rmtree(rundir, ignore_errors=True)
+        return 0
+    ko, bindir, initrd = Path(ko), Path(bindir), Path(initrd)
     shm = Path(f"/dev/shm/phx-guest-{os.getpid()}")
     try:
         st = os.statvfs("/dev/shm")
