@@ -181,10 +181,11 @@ class ExtentMap:
         """Deallocate ``key``'s extent and make it reusable."""
         with self._lock:
             self._alive()
-            e = self._live.pop(key)
-            self._order.remove(key)
-            if self.trim_on_free:
+            e = self._live[key]
+            if self.trim_on_free:            # a failure leaves the extent bound
                 self.ns.deallocate(e.offset, e.length)
+            del self._live[key]
+            self._order.remove(key)
             s, ln = e.lba, e.blocks
             i = bisect.bisect_left(self._holes, (s, 0))
             if i > 0 and sum(self._holes[i - 1]) == s:
