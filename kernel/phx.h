@@ -48,6 +48,7 @@ struct phx_provider {
  * @prov: provider; @prov_data its private state.
  * @pdev: the PCI device holding the memory (a reference), or NULL.
  * @bar: its BAR index.
+ * @flags: PHX_REG_* from the caller.
  * @mode: PHX_MODE_*; @status: PHX_ST_*.
  * @nr_ranges: entries in @ranges (physical CPU addresses).
  * @pgmap: GENERIC mode: our pagemap (nr_range == @nr_ranges).
@@ -69,6 +70,7 @@ struct phx_reg {
 	void *prov_data;
 	struct pci_dev *pdev;
 	int bar;
+	u32 flags;
 	u32 mode;
 	u32 status;
 	unsigned int nr_ranges;

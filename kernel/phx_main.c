@@ -266,6 +266,7 @@ int phx_register(struct file *file, struct phx_register *arg)
 	init_completion(&reg->done);
 	INIT_WORK(&reg->finish_work, phx_reg_finish);
 	reg->prov = prov;
+	reg->flags = arg->flags;
 	reg->length = arg->length;
 	reg->mapping = file->f_mapping;
 
@@ -280,13 +281,6 @@ int phx_register(struct file *file, struct phx_register *arg)
 		goto err_free;
 	if (reg->pdev)
 		reg->status |= phx_mem_dev_status(reg->pdev);
-	if ((reg->status & PHX_ST_IOMMU) && !(arg->flags & PHX_REG_ALLOW_IOMMU)) {
-		pr_info_ratelimited("%s: an IOMMU translates DMA for %s; peer DMA to its memory would not reach it (pass PHX_REG_ALLOW_IOMMU to try anyway, or boot with iommu=pt)\n",
-				    current->comm,
-				    reg->pdev ? pci_name(reg->pdev) : "?");
-		ret = -EOPNOTSUPP;
-		goto err_release;
-	}
 	ret = phx_mem_create(reg);
 	if (ret)
 		goto err_release;

@@ -25,11 +25,13 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/cc_platform.h>
 #include <linux/device.h>
 #include <linux/iommu.h>
 #include <linux/memremap.h>
 #include <linux/pci-p2pdma.h>
 #include <linux/slab.h>
+#include <linux/swiotlb.h>
 
 #include "phx.h"
 
@@ -43,7 +45,9 @@ u32 phx_mem_module_status(void)
  * @pdev: the device.
  *
  * Return: PHX_ST_IOMMU when an IOMMU domain other than identity translates
- * DMA for @pdev (taken as the sign for the platform's DMA initiators too).
+ * DMA for @pdev, PHX_ST_BOUNCE when swiotlb bounces its DMA or the kernel
+ * runs as a confidential guest (both taken as the sign for the platform's
+ * DMA initiators too).
  */
 u32 phx_mem_dev_status(struct pci_dev *pdev)
 {
@@ -54,6 +58,9 @@ u32 phx_mem_dev_status(struct pci_dev *pdev)
 	if (dom && dom->type != IOMMU_DOMAIN_IDENTITY)
 		st |= PHX_ST_IOMMU;
 #endif
+	if (is_swiotlb_force_bounce(&pdev->dev) ||
+	    cc_platform_has(CC_ATTR_GUEST_MEM_ENCRYPT))
+		st |= PHX_ST_BOUNCE;
 	return st;
 }
 
@@ -72,6 +79,15 @@ static int phx_generic_create(struct phx_reg *reg)
 	void *addr;
 	int nid = reg->pdev ? dev_to_node(&reg->pdev->dev) : NUMA_NO_NODE;
 
+	/* CPU physical addresses as DMA addresses: only without translation */
+	if ((reg->status & (PHX_ST_IOMMU | PHX_ST_BOUNCE)) &&
+	    !(reg->flags & PHX_REG_ALLOW_IOMMU)) {
+		pr_info_ratelimited("%s: DMA for %s is %s; GENERIC pages would not reach its memory (boot with iommu=pt, use a CONFIG_PCI_P2PDMA kernel, or pass PHX_REG_ALLOW_IOMMU)\n",
+				    current->comm,
+				    reg->pdev ? pci_name(reg->pdev) : "the device",
+				    reg->status & PHX_ST_IOMMU ? "IOMMU-translated" : "bounced");
+		return -EOPNOTSUPP;
+	}
 	pgmap = kzalloc(struct_size(pgmap, ranges, reg->nr_ranges), GFP_KERNEL);
 	if (!pgmap)
 		return -ENOMEM;

@@ -35,7 +35,10 @@
 #define PHX_PROV_NVIDIA		2	/* caller's GPU VA via nvidia_p2p */
 
 /* struct phx_register.flags (in) */
-/* Register even if the provider device sits behind a translating IOMMU. */
+/*
+ * GENERIC mode only: register even if an IOMMU translates or swiotlb
+ * bounces DMA for the provider device (the I/O may then miss the memory).
+ */
 #define PHX_REG_ALLOW_IOMMU	(1U << 0)
 #define PHX_REG_FLAGS_ALL	(PHX_REG_ALLOW_IOMMU)
 
@@ -48,6 +51,7 @@
 #define PHX_ST_P2PDMA		(1U << 1) /* kernel has CONFIG_PCI_P2PDMA */
 #define PHX_ST_NVIDIA		(1U << 2) /* nvidia_p2p symbols resolvable */
 #define PHX_ST_REVOKED		(1U << 3) /* registration revoked */
+#define PHX_ST_BOUNCE		(1U << 4) /* DMA is bounced (swiotlb, CoCo) */
 
 /**
  * struct phx_info - PHX_IOC_INFO: what the loaded module offers.
