@@ -7,8 +7,9 @@ and reports (DLFEAT) that deallocated blocks read as zeroes, but the data stay.
 This wrapper changes nothing else: it adds ``discard=unmap`` to each
 ``-drive`` of the QEMU command line phxguest builds, so what QEMU reports is
 true and the deallocate tests can hold it to its word.  If phxguest ever
-changes shape, the wrapper falls back to the plain command (the suite is told
-through PHX_NVME_DISCARD and then only checks what the emulator can promise).
+changes shape, the wrapper falls back to the plain command; the guest learns
+which it got from ``phx.nvme_discard=unmap`` on its kernel command line, and
+without it the tests only check what the emulator can promise.
 
 Usage: same arguments as phxguest.py.
 """
@@ -24,12 +25,17 @@ _orig = getattr(phxguest, "qemu_cmd", None)
 
 def _qemu_cmd(*args, **kw):
     cmd = _orig(*args, **kw)
-    out = []
+    out, patched = [], False
     for c in cmd:
         if isinstance(c, str) and c.startswith("file=") and ",if=none," in c \
                 and "discard=" not in c:
             c += ",discard=unmap"
+            patched = True
         out.append(c)
+    # tell the guest (tests read /proc/cmdline)
+    if patched and "-append" in out:
+        i = out.index("-append") + 1
+        out[i] += " phx.nvme_discard=unmap"
     return out
 
 

@@ -21,8 +21,8 @@ if ! "$PY" -c 'import pytest, phx.nvme' 2>/tmp/imp.err; then
 	fail nvme-pytest "cannot import pytest/phx.nvme with $PY: $(tail -1 /tmp/imp.err)"
 	exit 1
 fi
-# the harness's drive options: discard=unmap comes from run_guest.py
-export PHX_NVME_DISCARD=${PHX_NVME_DISCARD:-unmap}
+# run_guest.py adds discard=unmap to the drives and says so on the kernel command line
+grep -o 'phx.nvme_discard=[a-z]*' /proc/cmdline || echo "drives without discard=unmap"
 
 # a short benchmark run first (phx0002 is still there and clean)
 ng2=$("$PY" -c 'import phx.nvme as n; print([p for p in n._generic_devices() if n.identify(p)["serial"]=="phx0002"][0])')
