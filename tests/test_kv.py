@@ -370,7 +370,7 @@ def test_pipeline_cross_staggers_reads():
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.003)
+        time.sleep(0.02)
         with lock:
             active[0] -= 1
         return 10
