@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -19,6 +20,12 @@ from phx.kv.budget import UNLIMITED, Budget
 
 MiB = 1 << 20
 ROOT = os.geteuid() == 0
+
+
+@pytest.fixture
+def tmp_path(data_dir):
+    """KV files on the real disk (conftest's ``data_dir``), not wherever /tmp is."""
+    return pathlib.Path(data_dir)
 
 
 # -- Algorithm 1 --------------------------------------------------------------------
