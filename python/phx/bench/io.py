@@ -42,6 +42,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -289,9 +290,10 @@ class PreadvEngine:
                 b[:] = os.urandom(bs)
 
         def worker(i: int, seed: int) -> None:
+            view = memoryview(bufs[i])[:bs]
             try:
                 call = os.pwritev if write else os.preadv
-                iov = [memoryview(bufs[i])[:bs]]
+                iov = [view]
                 randrange = random.Random(seed).randrange
                 nxt = counter.__next__
                 clock = time.perf_counter
@@ -310,7 +312,13 @@ class PreadvEngine:
             except BaseException as e:  # noqa: BLE001 - reported by the caller
                 errors.append(e)
                 start.abort()
+            finally:
+                view.release()  # the mmap can close even if the error outlives us
+                finished[i].set()
 
+        # Set by each worker on its way out; Thread.join() is not to be trusted after
+        # a signal interrupted it (CPython may then take a live thread for stopped).
+        finished = [threading.Event() for _ in range(qd)]
         threads = [threading.Thread(target=worker, args=(i, self.seeds.getrandbits(64)),
                                     daemon=True) for i in range(qd)]
         try:
@@ -327,6 +335,12 @@ class PreadvEngine:
                 t.join()
             cpu = _cpu_seconds() - cpu0
         finally:
+            # Interrupted (Ctrl-C, SIGTERM): let the workers finish their last call
+            # (at most one block past the deadline) before their buffers go.
+            start.abort()
+            for t, done in zip(threads, finished):
+                if t.ident is not None:
+                    done.wait()
             os.close(fd)
             for b in bufs:
                 b.close()
@@ -652,6 +666,10 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
 # Main
 # ---------------------------------------------------------------------------
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``phx bench io`` with parsed ``args``; 0 on success, 1 if a run failed."""
     engines = list(dict.fromkeys(args.engines))
@@ -671,6 +689,9 @@ def run(args: argparse.Namespace) -> int:
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little")
     target = prepare_target(args.path, args.size)
+    # A SIGTERM (e.g. from a CI timeout) unwinds like Ctrl-C, so the test file goes too.
+    old_term = signal.signal(signal.SIGTERM, _terminate) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         runners: dict[str, Any] = {}
         # Construct every engine before writing anything: a missing one fails fast.
@@ -718,6 +739,8 @@ def run(args: argparse.Namespace) -> int:
         load_end = os.getloadavg()
     finally:
         target.remove()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
     results = summarise(rows, engines, samples, errors)
     checks = acceptance_checks(results) if {"phx", "fio"} <= set(engines) else []
