@@ -409,7 +409,7 @@ class PhxEngine:
         write = "write" in op
         rand = op.startswith("rand")
         nblocks = self.size // bs
-        min_batch = max(self.MIN_BATCH_PER_QD * qd, 16)
+        min_batch = min(max(self.MIN_BATCH_PER_QD * qd, 16), self.MAX_BATCH)
         nbuf = self.BUFFERS_PER_QD * qd
         big = phx.empty_aligned(nbuf * bs)
         if write:
