@@ -54,6 +54,7 @@ clean:
 # Kernel module and guest-harness targets live beside their code.
 -include kernel/kernel.mk
 -include tests/guest/guest.mk
+-include tests/guest/nvme/nvme.mk
 
 # Until the guest harness exists, test-guest is a no-op.
 test-guest::

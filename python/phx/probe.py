@@ -117,6 +117,11 @@ def _cgroup() -> dict[str, Any]:
     return {"version": None}
 
 
+def _nvme() -> list[dict[str, Any]]:
+    import phx.nvme
+    return phx.nvme.probe()
+
+
 def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
     """Everything ``phx info`` reports, as a dict."""
     ml = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -129,6 +134,7 @@ def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
         "kernel_module": _module(),
         "memlock_limit": "unlimited" if ml[0] == resource.RLIM_INFINITY else ml[0],
         "cgroup": _cgroup(),
+        "nvme_namespaces": _nvme(),
     }
     if not info["io_uring"]["available"]:
         info["host_path"] = "none: phx needs io_uring"

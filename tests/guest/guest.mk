@@ -8,7 +8,7 @@ PHX_GUEST_IVSHMEM ?= 256M
 .PHONY: test-guest-phx test-guest-p2pdma
 
 # phx.ko on Debian's 6.12 kernel (MEMORY_DEVICE_GENERIC pages).
-test-guest-phx:
+test-guest-phx: build
 	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel debian \
 		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
 

@@ -409,7 +409,7 @@ def qemu_cmd(a, kern, initrd, rundir, shm):
             f.truncate(nv["size"])
         cmd += ["-device", f"xio3130-downstream,id=dn{slot},bus=up0,chassis={10 + slot},"
                            f"slot={slot}",
-                "-drive", f"file={img},if=none,id=nvm{i},format=raw,cache=unsafe",
+                "-drive", f"file={img},if=none,id=nvm{i},format=raw,cache=unsafe,discard=unmap",
                 "-device", f"nvme,id=nvme{i},serial=phx{i:04d},mdts={nv['mdts']},"
                            f"bus=dn{slot}",
                 "-device", f"nvme-ns,drive=nvm{i},bus=nvme{i},nsid=1,"

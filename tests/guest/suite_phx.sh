@@ -10,7 +10,7 @@
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
 # PHX-EXPECT: fillbar checkbar validate garbage rmmod-refused kill-midio
-# PHX-EXPECT: fixedbuf-exit fork unreg concurrent python-direct rmmod
+# PHX-EXPECT: fixedbuf-exit fork unreg concurrent python-direct libphx-devmem rmmod
 # PHX-HOSTFILL: 234881024 8388608 4242
 set -u
 export PYTHONDONTWRITEBYTECODE=1
@@ -162,12 +162,10 @@ else
 fi
 if [ "$rc" = 0 ]; then pass python-direct "$PY"; else fail python-direct "rc=$rc"; fi
 
-# --- libphx's engine on device memory (phx.devmem): opt-in for now ---
-# PHX_SUITE_LIBPHX=1 on the host runs tests/guest/test_guest_libphx.py here
-# (it failed on 2026-11-30: direct_bytes 0 for a buffer offset of 4095, then
-# a BufferError in its fixture left the range registered: EBUSY after).
-if [ "${PHX_SUITE_LIBPHX:-0}" != 1 ]; then
-	echo "PHX-SKIP libphx-devmem: opt-in (PHX_SUITE_LIBPHX=1)"
+# --- libphx's engine on device memory (phx.devmem) ---
+# PHX_SUITE_LIBPHX=0 on the host skips tests/guest/test_guest_libphx.py here.
+if [ "${PHX_SUITE_LIBPHX:-1}" != 1 ]; then
+	echo "PHX-SKIP libphx-devmem: PHX_SUITE_LIBPHX=0"
 elif [ -f "$PHX_REPO/tests/guest/test_guest_libphx.py" ] &&
 	"$PY" -c 'import pytest, phx.devmem' 2>/dev/null; then
 	PHX_GUEST_DIR=$MNT "$PY" -m pytest -q -p no:cacheprovider \

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from phx.kv import _sys
+from phx.kv.nvme_backend import from_env as nvme_from_env
 from phx.kv.budget import Budget, MiB, measure_budget
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
 from phx.kv.slab import DirectBackend, Extent, PageCacheBackend, SlabBackend, round_up
@@ -261,8 +262,9 @@ class KVStore:
 
     def _direct_backend(self) -> DirectBackend:
         if self._direct is None:
-            self._direct = SlabBackend(os.path.join(self.directory, "kv-slab.bin"),
-                                       self._slab_capacity, self._engine)
+            # An NVMe namespace named by PHX_KV_NVME, else the O_DIRECT slab file.
+            self._direct = nvme_from_env() or SlabBackend(
+                os.path.join(self.directory, "kv-slab.bin"), self._slab_capacity, self._engine)
         return self._direct
 
     def backend_of(self, t: KVTensor):
