@@ -46,7 +46,7 @@ test: test-c test-py test-guest
 
 bench: build
 	mkdir -p $(RESULTS)
-	$(VENV)/bin/phx bench io --json $(RESULTS)/bench-io.json --plot $(RESULTS)/bench-io.png
+	$(VENV)/bin/phx bench io --path $(RESULTS) --json $(RESULTS)/bench-io.json --plot $(RESULTS)/bench-io.png
 
 clean:
 	rm -rf build $(RESULTS)

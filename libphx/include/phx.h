@@ -61,7 +61,8 @@ struct phx_engine_config {
 	uint32_t bounce_count;	/* bounce buffers (4) */
 	uint32_t flags;		/* PHX_ENGINE_* */
 	uint32_t max_files;	/* registered-file slots (256) */
-	uint32_t reserved[9];
+	uint32_t submit_batch;	/* SQEs per io_uring_enter; 0: all (4) */
+	uint32_t reserved[8];
 };
 
 /* Fill @cfg with the defaults above, overridden by PHX_* environment vars. */

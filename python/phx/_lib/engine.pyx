@@ -206,7 +206,8 @@ cdef class Engine:
     cdef object __weakref__
 
     def __cinit__(self, queue_depth=None, max_io_size=None, bounce_size=None,
-                  bounce_count=None, *, bint fixed_files=True, bint fixed_buffers=True):
+                  bounce_count=None, *, submit_batch=None, bint fixed_files=True,
+                  bint fixed_buffers=True):
         cdef phx_engine_config cfg
         cdef int rc
         phx_engine_config_init(&cfg)
@@ -222,6 +223,10 @@ cdef class Engine:
             cfg.bounce_size = bounce_size
         if bounce_count is not None:
             cfg.bounce_count = bounce_count
+        if submit_batch is not None:
+            if not (0 <= submit_batch < 2**32):
+                raise ValueError(f"submit_batch must be >= 0, not {submit_batch!r}")
+            cfg.submit_batch = submit_batch
         if not fixed_files:
             cfg.flags |= PHX_ENGINE_NO_FIXED_FILES
         if not fixed_buffers:
@@ -273,7 +278,7 @@ cdef class Engine:
         phx_engine_config_get(self._get(), &cfg)
         return {"queue_depth": cfg.queue_depth, "max_io_size": cfg.max_io_size,
                 "bounce_size": cfg.bounce_size, "bounce_count": cfg.bounce_count,
-                "max_files": cfg.max_files}
+                "max_files": cfg.max_files, "submit_batch": cfg.submit_batch}
 
     @property
     def features(self) -> dict:

@@ -35,6 +35,7 @@ cdef extern from "phx.h" nogil:
         uint32_t bounce_count
         uint32_t flags
         uint32_t max_files
+        uint32_t submit_batch
 
     struct phx_file_info:
         uint32_t size
