@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "phx_cuda.h"
+#include "internal.h"
 
 #define CU_EXPORT __attribute__((visibility("default")))
 
@@ -343,23 +344,6 @@ struct phx_cuda {
 /* Small helpers                                                            */
 /* ------------------------------------------------------------------------ */
 
-static uint32_t env_u32(const char *name, uint32_t dflt)
-{
-	const char *s = getenv(name);
-	char *end;
-	unsigned long long v;
-
-	if (!s || !*s)
-		return dflt;
-	v = strtoull(s, &end, 0);
-	if (*end == 'k' || *end == 'K')
-		v <<= 10, end++;
-	else if (*end == 'm' || *end == 'M')
-		v <<= 20, end++;
-	if (*end || v > UINT32_MAX)
-		return dflt;
-	return (uint32_t)v;
-}
 
 static uint64_t down(uint64_t x, uint64_t a)
 {
@@ -446,17 +430,17 @@ CU_EXPORT void phx_cuda_config_init(struct phx_cuda_config *cfg)
 
 	memset(cfg, 0, sizeof(*cfg));
 	cfg->size = sizeof(*cfg);
-	cfg->device = (int32_t)env_u32("PHX_CUDA_DEVICE", 0);
+	cfg->device = (int32_t)phx_env_u32("PHX_CUDA_DEVICE", 0);
 	/*
 	 * Defaults from a sweep on the H200 box (docs/gpu.md): 16 lanes x 4 x
 	 * 2 MiB (128 MiB pinned) kept its virtio disk at its best and reached
 	 * 24 GB/s from zram, where I/O runs inline in each lane's thread.
 	 */
-	cfg->lanes = env_u32("PHX_CUDA_LANES",
+	cfg->lanes = phx_env_u32("PHX_CUDA_LANES",
 			     ncpu < 4 ? 4 : ncpu > 16 ? 16 : (uint32_t)ncpu);
-	cfg->bufs_per_lane = env_u32("PHX_CUDA_BUFS", 4);
-	cfg->buf_size = env_u32("PHX_CUDA_BUF_SIZE", 2u << 20);
-	cfg->max_io_size = env_u32("PHX_CUDA_MAX_IO", 1u << 20);
+	cfg->bufs_per_lane = phx_env_u32("PHX_CUDA_BUFS", 4);
+	cfg->buf_size = phx_env_u32("PHX_CUDA_BUF_SIZE", 2u << 20);
+	cfg->max_io_size = phx_env_u32("PHX_CUDA_MAX_IO", 1u << 20);
 	if (getenv("PHX_CUDA_HOSTFN_GATE") && atoi(getenv("PHX_CUDA_HOSTFN_GATE")))
 		cfg->flags |= PHX_CUDA_HOSTFN_GATE;
 }

@@ -22,36 +22,16 @@
 /* Configuration                                                            */
 /* ------------------------------------------------------------------------ */
 
-static uint32_t env_u32(const char *name, uint32_t dflt)
-{
-	const char *s = getenv(name);
-	char *end;
-	unsigned long long v;
-
-	if (!s || !*s)
-		return dflt;
-	v = strtoull(s, &end, 0);
-	if (*end == 'k' || *end == 'K')
-		v <<= 10, end++;
-	else if (*end == 'm' || *end == 'M')
-		v <<= 20, end++;
-	if (*end || v == 0 || v > UINT32_MAX)
-		return dflt;
-	return (uint32_t)v;
-}
-
 PHX_EXPORT void phx_engine_config_init(struct phx_engine_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
 	cfg->size = sizeof(*cfg);
-	cfg->queue_depth = env_u32("PHX_QUEUE_DEPTH", PHX_DEFAULT_QD);
-	cfg->max_io_size = env_u32("PHX_MAX_IO_SIZE", PHX_DEFAULT_MAX_IO);
-	cfg->bounce_size = env_u32("PHX_BOUNCE_SIZE", PHX_DEFAULT_BOUNCE_SIZE);
-	cfg->bounce_count = env_u32("PHX_BOUNCE_COUNT", PHX_DEFAULT_BOUNCE_COUNT);
+	cfg->queue_depth = phx_env_u32("PHX_QUEUE_DEPTH", PHX_DEFAULT_QD);
+	cfg->max_io_size = phx_env_u32("PHX_MAX_IO_SIZE", PHX_DEFAULT_MAX_IO);
+	cfg->bounce_size = phx_env_u32("PHX_BOUNCE_SIZE", PHX_DEFAULT_BOUNCE_SIZE);
+	cfg->bounce_count = phx_env_u32("PHX_BOUNCE_COUNT", PHX_DEFAULT_BOUNCE_COUNT);
 	cfg->max_files = PHX_DEFAULT_MAX_FILES;
-	cfg->submit_batch = env_u32("PHX_SUBMIT_BATCH", PHX_DEFAULT_SUBMIT_BATCH);
-	if (getenv("PHX_SUBMIT_BATCH") && !strcmp(getenv("PHX_SUBMIT_BATCH"), "0"))
-		cfg->submit_batch = 0;
+	cfg->submit_batch = phx_env_u32("PHX_SUBMIT_BATCH", PHX_DEFAULT_SUBMIT_BATCH);
 }
 
 
@@ -242,7 +222,7 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	}
 	fixed_files_setup(eng);
 	fixed_bufs_setup(eng);
-	eng->spin_ns = getenv("PHX_SPIN_NS") ? (int64_t)env_u32("PHX_SPIN_NS", 0) : 0;
+	eng->spin_ns = phx_env_u32("PHX_SPIN_NS", 0);
 	*out = eng;
 	return 0;
 

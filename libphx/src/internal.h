@@ -143,6 +143,9 @@ struct phx_engine {
 	struct phx_stats st;
 };
 
+/* env.c */
+uint32_t phx_env_u32(const char *name, uint32_t dflt);
+
 /* error.c */
 int phx_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
