@@ -269,7 +269,18 @@ fi
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
 mount -t devtmpfs dev /host/dev
+# The guest's /tmp is its own tmpfs; a repository that lives under the
+# host's /tmp (a CI clone, say) stays visible through a bind mount.
+mkdir -p /hosttmp
+mount --bind /host/tmp /hosttmp
 mount -t tmpfs -o size=512m tmp /host/tmp
+REPO=$(tr ' ' '\n' < /host$RUN/env | sed -n 's/^PHX_REPO=//p')
+case "$REPO" in
+/tmp/?*)
+    mkdir -p "/host$REPO"
+    mount --bind "/hosttmp/${REPO#/tmp/}" "/host$REPO"
+    ;;
+esac
 mkdir -p /host/dev/shm /host/dev/pts
 mount -t tmpfs shm /host/dev/shm
 # ivshmem-plain: vendor 1af4 device 1110
