@@ -355,13 +355,6 @@ static uint64_t up(uint64_t x, uint64_t a)
 	return down(x + a - 1, a);
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static void nap_ns(long ns)
 {
@@ -1512,7 +1505,7 @@ CU_EXPORT int phx_cuda_ptr_device(uint64_t ptr)
 
 CU_EXPORT int phx_cuda_wait(phx_cuda *c, struct phx_cuda_io *io, int64_t timeout_ns)
 {
-	int64_t deadline = timeout_ns >= 0 ? now_ns() + timeout_ns : -1;
+	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
 
 	if (!c || !io)
 		return cerr(-EINVAL, "phx_cuda_wait: NULL argument");
@@ -1521,21 +1514,13 @@ CU_EXPORT int phx_cuda_wait(phx_cuda *c, struct phx_cuda_io *io, int64_t timeout
 		if (deadline < 0) {
 			pthread_cond_wait(&c->done_cond, &c->done_lock);
 		} else {
-			struct timespec ts;
-			int64_t left = deadline - now_ns();
+			int64_t left = deadline - phx_now_ns();
 
 			if (left <= 0) {
 				pthread_mutex_unlock(&c->done_lock);
 				return cerr(-ETIME, "request not complete within the timeout");
 			}
-			clock_gettime(CLOCK_REALTIME, &ts);
-			ts.tv_sec += left / 1000000000;
-			ts.tv_nsec += left % 1000000000;
-			if (ts.tv_nsec >= 1000000000) {
-				ts.tv_sec++;
-				ts.tv_nsec -= 1000000000;
-			}
-			pthread_cond_timedwait(&c->done_cond, &c->done_lock, &ts);
+			phx_cond_wait_ns(&c->done_cond, &c->done_lock, left);
 		}
 	}
 	pthread_mutex_unlock(&c->done_lock);

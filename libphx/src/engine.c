@@ -483,8 +483,6 @@ static unsigned reap_locked(phx_engine *eng)
 	return total;
 }
 
-static int64_t now_ns(void);
-
 /*
  * Submit @n published SQEs and wait for a completion.  A completion often
  * follows within microseconds; spinning that long before sleeping saves a
@@ -504,24 +502,17 @@ static int reaper_wait(phx_engine *eng, unsigned n)
 		if (ret < 0)
 			return ret;
 	}
-	until = now_ns() + eng->spin_ns;
+	until = phx_now_ns() + eng->spin_ns;
 	do {
 		if (io_uring_cq_ready(&eng->ring))
 			return 0;
 		/* Completions may wait in task work until we enter the kernel. */
 		if (IO_URING_READ_ONCE(*eng->ring.sq.kflags) & IORING_SQ_TASKRUN)
 			ring_enter(eng, 0, 0);
-	} while (now_ns() < until);
+	} while (phx_now_ns() < until);
 	return ring_enter(eng, 0, 1);
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static bool io_is_done(struct phx_io *io)
 {
@@ -536,7 +527,7 @@ static bool io_is_done(struct phx_io *io)
 int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		    bool block)
 {
-	int64_t deadline = timeout_ns >= 0 ? now_ns() + timeout_ns : -1;
+	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
 	struct io_uring_cqe *cqe;
 	int ret = 0;
 
@@ -556,21 +547,13 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 			if (deadline < 0) {
 				pthread_cond_wait(&eng->cond, &eng->lock);
 			} else {
-				struct timespec ts;
-				int64_t left = deadline - now_ns();
+				int64_t left = deadline - phx_now_ns();
 
 				if (left <= 0) {
 					ret = -ETIME;
 					break;
 				}
-				clock_gettime(CLOCK_REALTIME, &ts);
-				ts.tv_sec += left / 1000000000;
-				ts.tv_nsec += left % 1000000000;
-				if (ts.tv_nsec >= 1000000000) {
-					ts.tv_sec++;
-					ts.tv_nsec -= 1000000000;
-				}
-				pthread_cond_timedwait(&eng->cond, &eng->lock, &ts);
+				phx_cond_wait_ns(&eng->cond, &eng->lock, left);
 			}
 			if (!io)
 				break;
@@ -591,7 +574,7 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 				ret = reaper_wait(eng, n);
 				ret = ret < 0 ? ret : 0;
 			} else {
-				int64_t left = deadline - now_ns();
+				int64_t left = deadline - phx_now_ns();
 				struct __kernel_timespec kts = {
 					.tv_sec = left > 0 ? left / 1000000000 : 0,
 					.tv_nsec = left > 0 ? left % 1000000000 : 0,
@@ -604,7 +587,7 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		reap_locked(eng);
 		eng->reaping = false;
 		pthread_cond_broadcast(&eng->cond);
-		if (ret == -ETIME || (ret == 0 && deadline >= 0 && now_ns() >= deadline &&
+		if (ret == -ETIME || (ret == 0 && deadline >= 0 && phx_now_ns() >= deadline &&
 				      !(io && io_is_done(io)))) {
 			ret = -ETIME;
 			break;

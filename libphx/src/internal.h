@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 #include <liburing.h>
 
 #include "phx.h"
@@ -164,6 +165,31 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 
 /* file.c */
 void file_close_all(phx_engine *eng);
+
+/* Monotonic time in nanoseconds (deadlines). */
+static inline int64_t phx_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Sleep on @cond for at most @left_ns (pthread conditions use CLOCK_REALTIME). */
+static inline void phx_cond_wait_ns(pthread_cond_t *cond, pthread_mutex_t *lock,
+				    int64_t left_ns)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	ts.tv_sec += left_ns / 1000000000;
+	ts.tv_nsec += left_ns % 1000000000;
+	if (ts.tv_nsec >= 1000000000) {
+		ts.tv_sec++;
+		ts.tv_nsec -= 1000000000;
+	}
+	pthread_cond_timedwait(cond, lock, &ts);
+}
 
 static inline uint64_t align_down(uint64_t x, uint64_t a)
 {
