@@ -246,6 +246,20 @@ PHX_EXPORT int phx_file_close(phx_file *f)
 	return 0;
 }
 
+void phx_file_hold(phx_file *f)
+{
+	pthread_mutex_lock(&f->eng->lock);
+	f->refs++;
+	pthread_mutex_unlock(&f->eng->lock);
+}
+
+void phx_file_unhold(phx_file *f)
+{
+	pthread_mutex_lock(&f->eng->lock);
+	f->refs--;
+	pthread_mutex_unlock(&f->eng->lock);
+}
+
 void file_close_all(phx_engine *eng)
 {
 	pthread_mutex_lock(&eng->lock);

@@ -165,6 +165,13 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 
 /* file.c */
 void file_close_all(phx_engine *eng);
+/*
+ * A reference that keeps @f open while work outside the engine (a GPU
+ * request) still uses it: phx_file_close() fails with -EBUSY until every
+ * phx_file_hold() is matched by a phx_file_unhold().  Both take eng->lock.
+ */
+void phx_file_hold(phx_file *f);
+void phx_file_unhold(phx_file *f);
 
 /* Monotonic time in nanoseconds (deadlines). */
 static inline int64_t phx_now_ns(void)
