@@ -113,19 +113,78 @@ def test_result_timeout_while_pending(data_dir, rng):
     assert bytes(buf) == payload
 
 
+class _Tracked(np.ndarray):
+    """A uint8 array that records its bytes when it is freed (``_released``).
+
+    The snapshot shows what the buffer held at the moment it died: a buffer
+    freed while its read is in flight holds its fill pattern, not the file's
+    bytes."""
+    _released: dict = {}
+
+    def __del__(self):
+        tag = getattr(self, "tag", None)    # views numpy makes have none
+        if tag is not None:
+            _Tracked._released[tag] = bytes(self)
+
+
+def _tracked(tag, nbytes: int, fill: bytes) -> np.ndarray:
+    a = np.empty(nbytes, dtype=np.uint8).view(_Tracked)
+    a.tag = tag
+    a[:] = np.frombuffer(fill, dtype=np.uint8)
+    return a
+
+
 def test_buffer_kept_alive_by_future(data_dir, src, rng):
-    """The caller drops its only reference to the buffer; the future keeps it."""
+    """The caller drops its only reference to each buffer; the future keeps it
+    alive until the request is done (then lets it go).  Reads: what each
+    buffer held when it was finally freed must be the file's bytes; writes:
+    the file must hold the dropped buffers' bytes.  Memory is churned while
+    the requests are in flight so that a freed buffer gets reused."""
+    import gc
     path, data = src
+    released = _Tracked._released
+    released.clear()
+    # writes: 32 x (64 KiB + 5) at unaligned offsets, the payloads dropped
     out = os.path.join(data_dir, "o")
+    wlen = 64 * KiB + 5
+    expected = bytearray()
     with phx.open(out, "w+") as f:
-        futs = [f.pwrite_async(bytes(fresh_bytes(rng, 64 * KiB)), i * 64 * KiB) for i in range(32)]
-        # Garbage to reuse freed memory if the buffers were not kept alive.
-        junk = [bytearray(64 * KiB) for _ in range(64)]
-        assert [x.result() for x in futs] == [64 * KiB] * 32
-        del junk
+        futs = []
+        for i in range(32):
+            payload = fresh_bytes(rng, wlen)
+            expected += payload
+            buf = _tracked(("w", i), wlen, payload)
+            futs.append(f.pwrite_async(buf, i * wlen))
+            del buf, payload
+        junk = [np.full(wlen, 0x5A, dtype=np.uint8) for _ in range(64)]
+        assert [x.result(timeout=60) for x in futs] == [wlen] * 32
+        del junk, futs
+    with open(out, "rb") as g:
+        assert_same(g.read(), bytes(expected), "file written from dropped buffers")
+    # reads: 48 requests, sizes 1 B .. 1 MiB + 3, anywhere in the file
+    reqs = []
     with phx.open(path, "r") as f:
-        futs = [f.pread_async(bytearray(4096), 0) for _ in range(16)]
-        assert all(x.result() == 4096 for x in futs)
+        for i in range(48):
+            n = int(rng.choice([1, 4095, 4096, 4097, 65536 + 3, 1 * MiB + 3,
+                                int(rng.integers(1, 300 * KiB))]))
+            off = int(rng.integers(0, FILE_SIZE - n))
+            buf = _tracked(("r", i), n, fresh_bytes(rng, n))
+            reqs.append((i, off, n, f.pread_async(buf, off)))
+            del buf
+        gc.collect()
+        for i, off, n, fut in reqs:
+            # freed (snapshot taken) and only then seen unfinished: freed early
+            early = ("r", i) in released
+            assert not (early and not fut.done()), f"read {i}: buffer freed while in flight"
+        junk = [np.full(n, 0x5A, dtype=np.uint8) for _, _, n, _ in reqs]
+        counts = [(i, off, n, fut.result(timeout=60)) for i, off, n, fut in reqs]
+        del junk, reqs, fut
+    gc.collect()
+    for i, off, n, got in counts:
+        assert got == n, f"read {i}: {got} of {n} bytes"
+        assert ("r", i) in released, f"read {i}: buffer never freed after completion (leak)"
+        assert_same(released[("r", i)], data[off:off + n], f"read {i} ({n} B @ {off})")
+    assert all(("w", i) in released for i in range(32)), "write buffers leaked"
 
 
 def test_future_outlives_file_object(src, rng):
