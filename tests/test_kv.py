@@ -210,15 +210,30 @@ def test_readback_torch(tmp_path):
     st.destroy()
 
 
+def _need_cachestat():
+    if not _sys.cachestat_available():
+        pytest.skip(f"cachestat(2) is not available (kernel {os.uname().release}; it needs "
+                    "Linux >= 6.5 and no seccomp filter against it): the page cache of a "
+                    "range cannot be seen")
+
+
 def test_direct_reads_bypass_page_cache(tmp_path):
+    """Written and read on the direct path: none of the tensor's pages are in the
+    page cache; the same on the page-cache path: all of them are (which shows that
+    cachestat sees cached pages at all)."""
+    _need_cachestat()
     rng = np.random.default_rng(3)
-    st = KVStore(str(tmp_path), budget=0)
-    k, _ = st.allocate(0, (64, 16, 128), np.float16)  # 256 KiB
-    st.write(k, 0, _rand(rng, k.shape, np.float16))
-    st.read(k)
-    if _sys.cachestat_available():
-        cached, pages = st.cached_pages(k)
-        assert pages == 64 and cached == 0
+    shape = (64, 16, 128)                             # 256 KiB per tensor
+    st = KVStore(str(tmp_path), budget=2 * 256 * 1024)  # layer 0 page cache, layer 1 direct
+    (pk, _), (dk, _) = st.allocate(0, shape, np.float16), st.allocate(1, shape, np.float16)
+    st.plan()
+    assert pk.group == PAGECACHE and dk.group == DIRECT
+    for t in (pk, dk):
+        d = _rand(rng, shape, np.float16)
+        st.write(t, 0, d)
+        assert _eq(st.read(t), d)
+    assert st.cached_pages(dk) == (0, 64), "direct-path tensor pages in the page cache"
+    assert st.cached_pages(pk) == (64, 64), "page-cache-path tensor not (all) cached"
     st.destroy()
 
 
@@ -325,9 +340,98 @@ def test_budget_in_a_real_cgroup():
     assert b["budget"] < limit
 
 
+def _meminfo_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no MemAvailable in /proc/meminfo (kernel < 3.14)")
+
+
 def test_budget_here_is_sane():
-    b = measure_budget(pinned_bytes=MiB)
-    assert 0 <= b.bytes <= b.mem_available
+    """measure_budget() on this machine: MemAvailable as /proc/meminfo has it
+    (read just before and after), B_pc = headroom - pinned - reserve with the
+    default reserve (8 MiB + 2 % of the headroom), headroom never above either
+    MemAvailable or the cgroup's headroom."""
+    before = _meminfo_available()
+    b = measure_budget(pinned_bytes=3 * MiB)
+    after = _meminfo_available()
+    slack = 8 * MiB + abs(after - before)   # other processes allocate meanwhile
+    assert min(before, after) - slack <= b.mem_available <= max(before, after) + slack, \
+        (before, b.mem_available, after)
+    assert b.pinned == 3 * MiB and b.override is None
+    assert b.reserve == 8 * MiB + b.headroom // 50
+    assert b.bytes == max(0, b.headroom - 3 * MiB - b.reserve)
+    cg = b.cgroup_headroom
+    assert b.headroom == (b.mem_available if cg is None else min(b.mem_available, cg))
+    assert b.as_dict()["budget"] == b.bytes
+    # an explicit reserve and an override are taken as given
+    b2 = measure_budget(pinned_bytes=0, reserve=5 * MiB)
+    assert b2.reserve == 5 * MiB and b2.bytes == max(0, b2.headroom - 5 * MiB)
+    assert measure_budget(override=12345).bytes == 12345
+
+
+def _own_memory_cgroup():
+    """(version, directory, [directories up to the mount]) of this process's memory
+    cgroup, read straight from /proc/self/cgroup and the mounts; None if none."""
+    with open("/proc/self/cgroup") as f:
+        lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    for hid, ctrls, rel in lines:
+        if "memory" in ctrls.split(",") and os.path.isdir("/sys/fs/cgroup/memory"):
+            version, mount = 1, "/sys/fs/cgroup/memory"
+            break
+    else:
+        for hid, ctrls, rel in lines:
+            if hid == "0" and ctrls == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+                version, mount = 2, "/sys/fs/cgroup"
+                break
+        else:
+            return None
+    own = os.path.join(mount, rel.strip("/")) if rel.strip("/") else mount
+    if not os.path.isdir(own):
+        own = mount                      # a cgroup namespace: we sit at the mount's root
+    chain, d = [], own
+    while True:
+        chain.append(d)
+        if os.path.samefile(d, mount):
+            return version, own, chain
+        d = os.path.dirname(d)
+
+
+def test_budget_here_sees_the_cgroup():
+    """The budgeter finds this process's memory cgroup and, where a level sets a
+    limit, takes the tightest (limit - usage + inactive_file) as the headroom."""
+    found = _own_memory_cgroup()
+    if found is None:
+        pytest.skip("no memory cgroup controller is mounted here: nothing to find")
+    version, own, chain = found
+    b = measure_budget()
+    assert b.cgroup is not None, f"memory cgroup v{version} at {own} not found"
+    assert b.cgroup.version == version and os.path.samefile(b.cgroup.path, own), \
+        (b.cgroup.version, b.cgroup.path, version, own)
+    names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+             if version == 1 else ("memory.max", "memory.current", "inactive_file"))
+    headrooms = []
+    for d in chain:
+        try:
+            with open(os.path.join(d, names[0])) as f:
+                lim = f.read().strip()
+            with open(os.path.join(d, names[1])) as f:
+                use = int(f.read())
+            with open(os.path.join(d, "memory.stat")) as f:
+                stat = dict(ln.split() for ln in f)
+        except OSError:
+            continue                     # the root of v2 has no memory.max
+        if lim != "max" and int(lim) < UNLIMITED:
+            headrooms.append(int(lim) - use + int(stat.get(names[2], 0)))
+    if not headrooms:
+        assert b.cgroup.binding is None and b.cgroup_headroom is None
+        assert b.headroom == b.mem_available
+        return
+    # usage moves between the two reads: allow 16 MiB
+    assert b.cgroup_headroom is not None, "a cgroup limit is set but the budgeter saw none"
+    assert abs(b.cgroup_headroom - min(headrooms)) <= 16 * MiB, (b.cgroup_headroom, headrooms)
+    assert b.headroom <= b.cgroup_headroom
 
 
 # -- adaptive pipeline ----------------------------------------------------------------
@@ -412,13 +516,78 @@ TINY = {"layers": 3, "batch": 1, "hidden": 512, "heads": 4, "prompt": 24, "gen":
 def test_bench_worker_replay(tmp_path, config):
     from phx.bench._kv_worker import run_worker
     res = run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
-    assert res["verified"]
+    assert res["verified"] is True, res["verify"]
+    assert res["verify"]["tensors"] == 6 and res["verify"]["mismatched"] == []
     assert res["decode_logical_read_bytes"] == sum(6 * (24 + i) * 1024 for i in range(5))
     assert len(res["decode_step_s"]) == 5
+    assert res["decode_s"] == pytest.approx(sum(res["decode_step_s"]))
     if config == "dual":
         assert res["pipeline"]["choice"] in (INTRA, CROSS)
-    if config == "direct" and res["hit_rate"] is not None:
-        assert res["hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("config", ["baseline", "direct", "dual"])
+def test_bench_worker_hit_rate(tmp_path, config):
+    """The decode reads' page-cache hit rate (cachestat before each read): none on
+    the direct path; the page-cache paths, with no memory cap here, hit."""
+    _need_cachestat()
+    from phx.bench._kv_worker import run_worker
+    res = run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
+    assert res["read_pages"] > 0 and res["hit_rate"] is not None, res
+    if config == "direct" or (config == "dual" and not res["plan"]["layers_pagecache"]):
+        assert res["hit_pages"] == 0, res
+    else:
+        assert res["hit_rate"] > 0.5, res
+
+
+def _swap_tensors_0_1(cls, monkeypatch):
+    """Prefill writes of tensors 0 and 1 (layer 0's K and V) go to each other."""
+    orig = cls.write
+    monkeypatch.setattr(cls, "write", lambda self, tid, start, src:
+                        orig(self, {0: 1, 1: 0}.get(tid, tid), start, src))
+
+
+def _row_off_tensor_2(cls, monkeypatch):
+    """Tensor 2's prefill lands one row late (its row 0 is never written)."""
+    orig = cls.write
+    monkeypatch.setattr(cls, "write", lambda self, tid, start, src:
+                        orig(self, tid, start + (tid == 2), src[:src.nbytes - self.s.row_bytes]
+                             if tid == 2 else src))
+
+
+def _byte_off_first_write(cls, monkeypatch):
+    """The storage layer's first write lands 8 bytes late (phx.kv backends)."""
+    from phx.kv import slab
+    for be in (slab.SlabBackend, slab.PageCacheBackend):
+        orig = be.write
+        state = {"n": 0}
+
+        def write(self, buf, offset, _orig=orig, _state=state):
+            _state["n"] += 1
+            return _orig(self, buf, offset + (8 if _state["n"] == 1 else 0))
+        monkeypatch.setattr(be, "write", write)
+
+
+_FAULTS = [(_swap_tensors_0_1, [0, 1], "swapped"), (_row_off_tensor_2, [2], "row-offset"),
+           (_byte_off_first_write, None, "byte-offset")]
+
+
+@pytest.mark.parametrize("config,fault,bad", [
+    pytest.param(c, f, b, id=f"{c}-{name}") for c in ("baseline", "direct", "dual")
+    for f, b, name in _FAULTS
+    # the memmap baseline has no phx.kv storage layer to shift bytes in
+    if not (c == "baseline" and f is _byte_off_first_write)])
+def test_bench_worker_catches_misplaced_data(tmp_path, monkeypatch, config, fault, bad):
+    """The bench's verification fails the run when two tensors are swapped or data
+    lands at the wrong offset, and names the tensors."""
+    from phx.bench import _kv_worker
+    cls = _kv_worker.MemmapIO if config == "baseline" else _kv_worker.StoreIO
+    fault(cls, monkeypatch)
+    res = _kv_worker.run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
+    assert res["verified"] is False, res["verify"]
+    if bad is not None:
+        assert res["verify"]["mismatched"] == bad
+    else:
+        assert res["verify"]["mismatched"], res["verify"]
 
 
 def test_bench_kv_cli_in_cgroups(tmp_path):

@@ -196,10 +196,9 @@ def run(args: argparse.Namespace) -> int:
     if choices:
         print("adaptive pipeline choices (dual):",
               {c: choices.count(c) for c in sorted(set(choices))})
-    bad = [x for x in raw if x.get("error") or x.get("verified") is False]
+    bad = [x for x in raw if _failure(x)]
     for x in bad:
-        print(f"row failed: cap {x['cap_bytes'] / MiB:.0f} MiB {x['config']}: "
-              f"{x.get('error', 'data did not verify')}")
+        print(f"row failed: cap {x['cap_bytes'] / MiB:.0f} MiB {x['config']}: {_failure(x)}")
     _common.write_json(args.json, {
         "benchmark": "kv",
         "command": "phx bench kv " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "kv"]
@@ -215,6 +214,18 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, per_cap, args.plot, shape, ws)
     return 1 if bad else 0
+
+
+def _failure(res: dict) -> str | None:
+    """Why a worker's run is not a result (an error, or data that did not verify)."""
+    if res.get("error"):
+        return res["error"]
+    if res.get("verified") is not True:
+        bad = (res.get("verify") or {}).get("mismatched")
+        return ("data did not verify" +
+                (f": tensors {bad} read back with the wrong bytes" if bad else
+                 " (no verification result)"))
+    return None
 
 
 def _gen_read_bytes(shape) -> int:
@@ -238,6 +249,8 @@ def _row_line(r: dict) -> str:
         s += f"  P·P {r['pipeline']['choice']}"
     if r.get("plan") and r["plan"].get("layers_pagecache") is not None:
         s += f"  n1 {len(r['plan']['layers_pagecache'])}"
+    if _failure(r):
+        s += f"  FAILED: {_failure(r)}"
     return s
 
 
@@ -249,12 +262,13 @@ def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
                                cal["dev_read_gbps"] * 1e9)
         cap_rows = {}
         for cfg in configs:
+            # a run whose data did not verify is not a result: left out of the figures
             runs = [x for x in raw if x["cap_bytes"] == cap and x["config"] == cfg
-                    and not x.get("error")]
+                    and not _failure(x)]
             r = {"cap_bytes": cap, "cap_fraction": f, "kv_cap_bytes": cap - fixed,
                  "config": cfg, "runs": len(runs), "ideal_decode_s": ideal,
-                 "errors": [x["error"] for x in raw if x["cap_bytes"] == cap
-                            and x["config"] == cfg and x.get("error")]}
+                 "errors": [_failure(x) for x in raw if x["cap_bytes"] == cap
+                            and x["config"] == cfg and _failure(x)]}
             for key in ("prefill_s", "decode_s", "hit_rate", "decode_device_read_bytes",
                         "prefill_device_write_bytes", "decode_device_write_bytes",
                         "peak_usage"):
