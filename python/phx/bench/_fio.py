@@ -1,9 +1,36 @@
-"""fio as a baseline engine: build the job, run it, read its JSON.
+"""fio as a baseline engine, at its strongest: build the job, run it, read its JSON.
 
 One fio process per measurement, ``--ioengine=io_uring --direct=1``, one job
 of ``--iodepth=QD`` on the benchmark's own file, time-based.  Random offsets
 are uniform, block-aligned and drawn with replacement afresh each run
 (``--randrepeat=0 --norandommap``), which is what the other engines do too.
+
+The job uses everything fio's io_uring engine offers that makes it faster
+without changing the workload (see docs/bench-io.md, "fio at its strongest"):
+
+* ``--fixedbufs --registerfiles``: READ_FIXED/WRITE_FIXED on buffers and a
+  file registered once, as phx does.
+* ``--iodepth_batch_submit=B`` with B = phx's ``submit_batch`` (the caller
+  passes it, read from phx's engine config so that the two stay equal): B
+  SQEs per ``io_uring_enter``, as phx hands them to the kernel.
+* ``--iodepth_batch_complete_min=1 --iodepth_batch_complete_max=QD``: wait for
+  one completion, then take every completion that is there (fio's own
+  example in its HOWTO).  Without the ``_max`` fio reaps one completion per
+  call, so it refills one request at a time and, in the steady state, hands
+  the kernel one SQE per call whatever ``iodepth_batch_submit`` says.
+* ``--scramble_buffers=0``: no rewriting of the write buffers before every
+  submit (the data is random already, filled once, as phx's is).
+* ``--gtod_reduce=1``: fio's latency and bandwidth accounting off (the
+  benchmark reads none of it; it costs clock reads per I/O).
+* ``--disk_util=0``: no disk-utilisation sampling thread (the benchmark
+  reads the device's counters itself).
+* writes: ``--end_fsync=1``, an fsync at the end inside fio's timed region
+  (phx and preadv fsync at the end of their timed runs too).
+
+fio 3.33 itself sets up its ring with ``IORING_SETUP_SINGLE_ISSUER |
+IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_COOP_TASKRUN`` and a CQ of QD
+entries (engines/io_uring.c, ``fio_ioring_queue_init``); it has no option for
+a registered ring fd.
 """
 from __future__ import annotations
 
@@ -42,8 +69,26 @@ def _escape(path: str) -> str:
     return path.replace(":", "\\:")
 
 
+def strong_options(op: str, qd: int, submit_batch: int) -> list[str]:
+    """The options that put fio at its strongest for one job (see the module doc).
+
+    ``submit_batch`` is phx's (0: everything at once, which fio spells the same
+    way: ``iodepth_batch_submit=0`` means QD).
+    """
+    if submit_batch < 0:
+        raise ValueError(f"submit_batch must be >= 0, not {submit_batch}")
+    opts = ["--fixedbufs", "--registerfiles",
+            f"--iodepth_batch_submit={submit_batch}",
+            "--iodepth_batch_complete_min=1", f"--iodepth_batch_complete_max={qd}",
+            "--scramble_buffers=0", "--gtod_reduce=1", "--disk_util=0"]
+    if "write" in op:
+        opts.append("--end_fsync=1")
+    return opts
+
+
 def fio_command(fio: str, path: str, size: int, op: str, bs: int, qd: int,
-                runtime_s: float, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+                runtime_s: float, submit_batch: int,
+                extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The fio command line for one measurement (``extra`` goes last)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
@@ -55,12 +100,18 @@ def fio_command(fio: str, path: str, size: int, op: str, bs: int, qd: int,
         "--time_based", f"--runtime={ms}ms",
         "--randrepeat=0", "--norandommap",
         "--invalidate=0",  # O_DIRECT throughout; nothing to invalidate
+        *strong_options(op, qd, submit_batch),
         "--output-format=json", *extra,
     ]
 
 
 def parse_fio_json(text: str, op: str) -> FioResult:
-    """Totals of the one job in fio's ``--output-format=json`` output."""
+    """Totals of the one job in fio's ``--output-format=json`` output.
+
+    fio's ``runtime`` (ms) covers the I/O and, with ``--end_fsync=1``, the
+    final fsync: fio stops the job's clock after both (backend.c, ``do_io``
+    then ``update_runtime``).
+    """
     start = text.find("{")  # fio may print notes before the document
     if start < 0:
         raise RuntimeError(f"fio printed no JSON: {text[:400]!r}")
