@@ -1,27 +1,53 @@
 # phx: top-level targets.  `make bench` and `make test` set everything up on a
-# fresh Debian/Ubuntu machine (apt packages, a venv, an editable install).
+# fresh Debian 12 machine (apt packages, a venv, an editable install); they
+# assume only make and python3 (README.md).  `make test-fresh` checks that claim
+# in a clean Debian 12 root (tests/fresh/run.sh).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev fio \
-	xfsprogs e2fsprogs util-linux python3-venv python3-dev
+
+# The one list of Debian packages that every target here uses (the guest
+# harness gets it through PHX_APT_PACKAGES, exported below).
+#   build: build-essential cmake ninja-build pkg-config liburing-dev python3-venv python3-dev
+#   tests and bench: fio xfsprogs e2fsprogs util-linux mount (mkfs, losetup, mount)
+#   guest harness: qemu-system-x86 busybox-static cpio xz-utils kmod (depmod, insmod in
+#     the guest), libelf-dev bc dwarves (pahole: the BTF step of phx.ko's modfinal);
+#     flex bison libssl-dev for the P2PDMA kernel (make test-guest-p2pdma)
+#   test-fresh: debootstrap
+APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev \
+	python3-venv python3-dev \
+	fio xfsprogs e2fsprogs util-linux mount \
+	qemu-system-x86 busybox-static cpio xz-utils kmod libelf-dev bc dwarves \
+	flex bison libssl-dev \
+	debootstrap
+export PHX_APT_PACKAGES := $(APT_PACKAGES)
+
+# Extra `phx bench io` options for `make bench`, e.g. a short run:
+#   make bench BENCH_ARGS="--size 64m --runtime 0.1 --repeats 1"
+BENCH_ARGS ?=
 RESULTS := results
 
-.PHONY: all deps venv build bench test test-py test-c test-guest clean
+.PHONY: all deps venv build bench test test-py test-c test-guest test-fresh clean
 
 all: build
 
-# System packages (once per machine; the stamp lives outside the tree).
+# System packages: apt-get runs only when one of the list is not installed
+# (dpkg's "ii"; `dpkg -s` also succeeds for removed packages that left config).
 deps:
-	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+	@missing=; for p in $(APT_PACKAGES); do \
+		dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || \
+			missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "apt-get install$$missing"; \
 		$(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
-			--no-install-recommends $(APT_PACKAGES); \
+			--no-install-recommends $$missing; \
 	fi
 
-$(VPY):
+$(VPY): | deps
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
@@ -46,7 +72,13 @@ test: test-c test-py test-guest
 
 bench: build
 	mkdir -p $(RESULTS)
-	$(VENV)/bin/phx bench io --path $(RESULTS) --json $(RESULTS)/bench-io.json --plot $(RESULTS)/bench-io.png
+	$(VENV)/bin/phx bench io --path $(RESULTS) --json $(RESULTS)/bench-io.json \
+		--plot $(RESULTS)/bench-io.png $(BENCH_ARGS)
+
+# The README's two commands in a clean Debian 12 root built by debootstrap,
+# on a clean clone of HEAD: fails on anything they do not install.
+test-fresh: deps
+	$(SUDO) tests/fresh/run.sh
 
 clean:
 	rm -rf build $(RESULTS)
@@ -56,5 +88,5 @@ clean:
 -include tests/guest/guest.mk
 -include tests/guest/nvme/nvme.mk
 
-# Until the guest harness exists, test-guest is a no-op.
+# test-guest is the sum of the fragments' double-colon rules (none without them).
 test-guest::

@@ -49,10 +49,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 CACHE = Path(os.environ.get("PHX_GUEST_CACHE", Path.home() / ".cache" / "phx-guest"))
 
-HOST_PACKAGES = ["qemu-system-x86", "busybox-static", "cpio", "xz-utils", "make",
-                 "gcc", "libc6-dev", "libelf-dev", "bc", "liburing-dev",
-                 "xfsprogs", "e2fsprogs", "kmod", "python3"]
-P2PDMA_PACKAGES = ["flex", "bison", "libssl-dev", "dwarves"]
+# The one package list is APT_PACKAGES in the top Makefile, which exports it:
+# run the harness through make (make test-guest), which installs it first.
+HOST_PACKAGES = os.environ.get("PHX_APT_PACKAGES", "").split()
+P2PDMA_PACKAGES = HOST_PACKAGES
 
 # Modules the guest needs from a Debian kernel (dependencies are added).
 # Crypto first: libcrc32c (xfs, ext4) needs a crc32c provider when it loads.
@@ -60,6 +60,10 @@ GUEST_MODULES = ["crc32c_generic", "crc32c-intel", "crc32_generic", "libcrc32c",
                  "9p", "9pnet_virtio", "ext4", "xfs", "virtio_pci", "loop"]
 
 BAD_PATTERNS = re.compile(r"Oops|\bBUG\b|WARNING|Call Trace|Kernel panic")
+# pytest's last line: "3 passed, 1 skipped in 0.52s", "no tests ran in 0.01s" (-q or -v)
+PYTEST_SUMMARY = re.compile(
+    r"^=*\s*(?:(?:\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|deselected|"
+    r"warnings?)(?:, )?)+|no tests ran) in [\d.]+s\b.*$", re.M)
 
 
 def log(msg):
@@ -438,6 +442,11 @@ def judge(text, expects):
     for e in expects:
         if not any(p == e or p.startswith(e + "/") for p in passed):
             reasons.append(f"missing: PHX-PASS {e}")
+    # A pytest run in the guest that passed nothing (all skipped, none
+    # collected) is not a pass, whatever the suite printed for it.
+    for summary in PYTEST_SUMMARY.findall(text):
+        if not re.search(r"\b[1-9]\d* passed", summary):
+            reasons.append(f"a pytest run in the guest passed no test: {summary.strip(' =')}")
     if "PHX-GUEST-DONE" not in text:
         reasons.append("the guest did not finish (no PHX-GUEST-DONE)")
     if "PHX-DMESG-END" not in text:
