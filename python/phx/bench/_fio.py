@@ -24,8 +24,15 @@ without changing the workload (see docs/bench-io.md, "fio at its strongest"):
   benchmark reads none of it; it costs clock reads per I/O).
 * ``--disk_util=0``: no disk-utilisation sampling thread (the benchmark
   reads the device's counters itself).
-* writes: ``--end_fsync=1``, an fsync at the end inside fio's timed region
-  (phx and preadv fsync at the end of their timed runs too).
+* writes end with an fsync, timed -- but not fio's own ``--end_fsync=1``:
+  with ``--fixedbufs`` fio 3.33 loses it.  Its final fsync reuses an I/O
+  unit whose SQE still carries the ``buf_index`` of that unit's last
+  WRITE_FIXED (fio zeroes its SQEs once, at setup, and its fsync branch does
+  not reset ``buf_index``); the kernel refuses an IORING_OP_FSYNC with a
+  nonzero ``buf_index`` (-EINVAL) and fio ignores the failure, so the fsync
+  happens only when the unit is number 0.  The benchmark therefore fsyncs
+  the file itself as soon as fio exits and adds that time to fio's
+  (:func:`timed_fsync`), as phx and preadv fsync inside their timed runs.
 
 fio 3.33 itself sets up its ring with ``IORING_SETUP_SINGLE_ISSUER |
 IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_COOP_TASKRUN`` and a CQ of QD
@@ -35,8 +42,10 @@ a registered ring fd.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +78,7 @@ def _escape(path: str) -> str:
     return path.replace(":", "\\:")
 
 
-def strong_options(op: str, qd: int, submit_batch: int) -> list[str]:
+def strong_options(qd: int, submit_batch: int) -> list[str]:
     """The options that put fio at its strongest for one job (see the module doc).
 
     ``submit_batch`` is phx's (0: everything at once, which fio spells the same
@@ -81,9 +90,22 @@ def strong_options(op: str, qd: int, submit_batch: int) -> list[str]:
             f"--iodepth_batch_submit={submit_batch}",
             "--iodepth_batch_complete_min=1", f"--iodepth_batch_complete_max={qd}",
             "--scramble_buffers=0", "--gtod_reduce=1", "--disk_util=0"]
-    if "write" in op:
-        opts.append("--end_fsync=1")
     return opts
+
+
+def timed_fsync(path: str) -> float:
+    """fsync ``path`` (data and metadata to stable storage); return the seconds it took.
+
+    Stands in for fio's ``--end_fsync=1``, which fio 3.33 loses with
+    ``--fixedbufs`` (see the module doc).
+    """
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
 
 
 def fio_command(fio: str, path: str, size: int, op: str, bs: int, qd: int,
@@ -100,18 +122,13 @@ def fio_command(fio: str, path: str, size: int, op: str, bs: int, qd: int,
         "--time_based", f"--runtime={ms}ms",
         "--randrepeat=0", "--norandommap",
         "--invalidate=0",  # O_DIRECT throughout; nothing to invalidate
-        *strong_options(op, qd, submit_batch),
+        *strong_options(qd, submit_batch),
         "--output-format=json", *extra,
     ]
 
 
 def parse_fio_json(text: str, op: str) -> FioResult:
-    """Totals of the one job in fio's ``--output-format=json`` output.
-
-    fio's ``runtime`` (ms) covers the I/O and, with ``--end_fsync=1``, the
-    final fsync: fio stops the job's clock after both (backend.c, ``do_io``
-    then ``update_runtime``).
-    """
+    """Totals of the one job in fio's ``--output-format=json`` output."""
     start = text.find("{")  # fio may print notes before the document
     if start < 0:
         raise RuntimeError(f"fio printed no JSON: {text[:400]!r}")

@@ -25,9 +25,11 @@ Engines
           Python threads, each with its own page-aligned (mmap) buffer.
   (fio keeps QD buffers; all three touch about as much memory.)
 
-Writes are timed with an fsync at the end, for every engine (fio
-``--end_fsync=1``; phx ``File.fsync()``; preadv ``os.fsync``), inside the
-timed region.
+Writes are timed with an fsync at the end, for every engine (phx
+``File.fsync()`` and preadv ``os.fsync`` inside their timed runs; for fio the
+benchmark fsyncs the file as soon as fio exits and adds that time to fio's,
+because fio 3.33 loses its own ``--end_fsync=1`` with ``--fixedbufs``: see
+:mod:`phx.bench._fio`).
 
 The pattern is the same for all three: sequential rows walk the file from
 offset 0 in block-size steps, wrapping at its end (with QD > 1 the next
@@ -443,7 +445,8 @@ class PreadvEngine:
             for t in threads:
                 t.join()
             if write and not errors:
-                # Timed like fio's --end_fsync=1: the data is on stable storage at the end.
+                # An fsync at the end, timed, for every engine: the data is on stable storage
+                # when the clock stops.
                 t1 = time.perf_counter()
                 os.fsync(fd)
                 fsync_s = time.perf_counter() - t1
@@ -503,7 +506,13 @@ class FioEngine:
     def run(self, op: str, bs: int, qd: int, runtime: float) -> Sample:
         argv = self.command(op, bs, qd, runtime)
         r = _fio.run_fio(argv, op, timeout_s=runtime * 10 + 60)
-        return Sample(r.nbytes, r.ios, r.seconds, r.cpu_pct, argv=argv)
+        if "write" not in op:
+            return Sample(r.nbytes, r.ios, r.seconds, r.cpu_pct, argv=argv)
+        # fio's own --end_fsync=1 is lost with --fixedbufs (see phx.bench._fio): the
+        # fsync follows fio's exit, and its time is fio's.
+        fsync_s = _fio.timed_fsync(self.path)
+        return Sample(r.nbytes, r.ios, r.seconds + fsync_s, r.cpu_pct * r.seconds /
+                      (r.seconds + fsync_s), {"fsync_s": fsync_s}, argv=argv)
 
 
 class PhxEngine:
@@ -597,7 +606,8 @@ class PhxEngine:
                 n = int(min(self.MAX_BATCH, max(min_batch, want)))
             fsync_s = 0.0
             if write:
-                # Timed like fio's --end_fsync=1: the data is on stable storage at the end.
+                # An fsync at the end, timed, for every engine: the data is on stable storage
+                # when the clock stops.
                 t1 = clock()
                 f.fsync()
                 fsync_s = clock() - t1
@@ -741,7 +751,8 @@ def _kib(v: float | None) -> str:
     return "n/a" if v is None else f"{v / KiB:.1f}k"
 
 
-def print_table(results: list[dict[str, Any]], file=sys.stdout) -> None:
+def print_table(results: list[dict[str, Any]], file=None) -> None:
+    file = file or sys.stdout
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
     rows = []
@@ -759,7 +770,8 @@ def print_table(results: list[dict[str, Any]], file=sys.stdout) -> None:
                      "ratio_vs_fio", "dev_req", "merged", "error"], rows), file=file)
 
 
-def print_checks(checks: list[dict[str, Any]], file=sys.stdout) -> None:
+def print_checks(checks: list[dict[str, Any]], file=None) -> None:
+    file = file or sys.stdout
     print("\nacceptance (issue 9, medians of this run; phx vs fio at its strongest):", file=file)
     for c in checks:
         if c.get("ratio") is None:
