@@ -237,6 +237,14 @@ def test_blockstat_partition_has_its_own_stat(disk_base):
         _odirect_reads(path, [i * 512 * KiB for i in range(8)])
         d = dev.read() - before
         assert d.read_ios >= 8  # counted on the partition itself
+        # Reads of the disk before the partition starts (sector 2048) count on the
+        # disk, not on the partition: the partition's counters are its own.
+        with open(f"/sys/block/{name}/dev") as f:
+            disk = _blockstat.device_by_number(*map(int, f.read().split(":")))
+        before, disk_before = dev.read(), disk.read()
+        _odirect_reads(loop, [i * 64 * KiB for i in range(8)])
+        assert (dev.read() - before).read_ios == 0
+        assert (disk.read() - disk_before).read_ios >= 8
     finally:
         subprocess.run(["umount", mnt], capture_output=True)
         subprocess.run(["partx", "-d", loop], capture_output=True)
