@@ -3,42 +3,37 @@
  * phx_cuda.h - GPU memory as the source and target of libphx I/O.
  *
  * Without the phx kernel module the NVMe controller cannot DMA into GPU
- * memory, so bytes are staged through host memory.  libphx does that with
- * "Co-DMA": a small set of pinned host buffers, allocated once per context,
- * registered with CUDA (page-locked) and with io_uring (fixed buffers).  A
- * read is a pipeline: the SSD fills staging buffer k with an O_DIRECT
- * READ_FIXED while buffer k-1 is copied to the GPU by the copy engine
- * (cuMemcpyHtoDAsync); a write mirrors it (cuMemcpyDtoHAsync, then
- * WRITE_FIXED).  The CPU copies no payload bytes; only the sub-block head
- * and tail of an unaligned *write* go through the engine's bounce buffers
- * (read-modify-write), and they are counted as bounce bytes.
+ * memory, so bytes are staged through host memory ("Co-DMA"): a bounded set
+ * of pinned host buffers, allocated once per context, registered with CUDA
+ * (page-locked) and with io_uring (fixed buffers).  The SSD reads into them
+ * with O_DIRECT READ_FIXED and the copy engine moves them to the GPU; the
+ * CPU copies no payload byte.  Only the sub-block head and tail of an
+ * unaligned *write* go through the engine's read-modify-write path.
  *
- * Staging buffers belong to "lanes": a thread with its own phx_engine (one
- * io_uring), so several lanes keep the device busy in parallel (RAM-speed
- * block devices such as zram complete I/O inline in the submitting thread).
+ * Staging buffers belong to "lanes": threads with their own phx_engine (one
+ * io_uring) and CUDA stream.  A request is cut into pieces that fit one
+ * buffer; many small requests share one buffer, and a buffer's pieces cost
+ * one io_uring submission and one copy call (cuMemcpyBatchAsync where the
+ * driver has it, CUDA >= 12.8), whatever their number.
  *
  * CUDA is reached through the driver API, loaded at run time with
  * dlopen("libcuda.so.1"): libphx builds and runs without CUDA headers,
  * driver or GPU; then phx_cuda_available() says why not and every other
  * call fails with -ENODEV.
  *
- * Stream-ordered calls (phx_cuda_read_async(), phx_cuda_write_async(),
- * phx_cuda_submit_stream()) keep cuFile's ordering on the caller's stream:
- * work queued on the stream after a read sees its data, a write sends the
- * data produced by work queued before it, and I/O calls on one stream take
- * effect in the order they were queued.  Unlike cuFile, the size and
- * offsets are taken when the call is made, not when the stream reaches it.
- * The device copies are queued on the caller's stream itself, each behind a
- * wait (cuStreamWaitValue32) on a host-written flag that says the staging
- * buffer holds the data; no host function blocks the stream.
- *
  * Device pointers are CUdeviceptr values (as uint64_t); streams are
  * CUstream handles (as void *; NULL is the legacy default stream).  The
- * memory must belong to the context's device and be plain device memory
- * (cuMemAlloc, cudaMalloc, PyTorch's allocator).
+ * memory must belong to the context's device and be device memory
+ * (cuMemAlloc, cudaMalloc, PyTorch's allocator, managed memory).
  *
  * Every function that can fail returns 0 (or a byte count) or a negative
- * errno; phx_cuda_strerror_last() has the text of the last failure.
+ * errno and never touches errno; phx_cuda_strerror_last() has the text of
+ * the last failure of this thread.
+ *
+ * Files: a phx_file used for GPU I/O is held by a reference from the time a
+ * request is submitted until it is complete (for stream-ordered requests:
+ * until the stream has passed them); meanwhile phx_file_close() on it fails
+ * with -EBUSY.  Close it after waiting (or synchronising the stream).
  */
 #ifndef PHX_CUDA_H
 #define PHX_CUDA_H
@@ -58,8 +53,8 @@ extern "C" {
 
 /*
  * 1 when libcuda loads, initialises and reports at least one device, else
- * 0.  @why (may be NULL) receives a one-line reason either way ("CUDA 13.0
- * driver, 1 device" or "libcuda.so.1 not found: ...").
+ * 0.  @why (may be NULL) receives a one-line reason either way ("CUDA driver
+ * 13.0, 1 device" or "libcuda.so.1 not found: ...").
  */
 int phx_cuda_available(char *why, size_t len);
 
@@ -79,43 +74,73 @@ struct phx_cuda_config {
 	uint32_t size;		/* sizeof(struct phx_cuda_config) */
 	int32_t device;		/* CUDA device ordinal (0) */
 	uint32_t lanes;		/* staging threads, one io_uring each (CPUs, 4..16) */
-	uint32_t bufs_per_lane;	/* pinned staging buffers per lane (4) */
-	uint32_t buf_size;	/* bytes per staging buffer (2 MiB) */
-	uint32_t max_io_size;	/* lane engines' largest device request (1 MiB) */
+	uint32_t bufs_per_lane;	/* pinned staging buffers per lane: depth (4) */
+	uint32_t buf_size;	/* bytes per staging buffer: largest piece (4 MiB) */
+	uint32_t max_io_size;	/* lane engines' largest device request (4 MiB) */
 	uint32_t flags;		/* PHX_CUDA_* */
 	uint32_t reserved[9];
 };
 
+/* The most staging memory one context may pin (lanes * bufs * buf_size). */
+#define PHX_CUDA_MAX_PINNED (2048u << 20)
+
 enum {
-	/* Gate stream copies with blocking host functions instead of
-	 * cuStreamWaitValue32 (chosen automatically where memops fail). */
-	PHX_CUDA_HOSTFN_GATE = 1u << 0,
+	/*
+	 * Do not use stream memory operations (cuStreamWaitValue32); then
+	 * stream-ordered calls fail with -ENOTSUP.  Also chosen when the
+	 * device refuses them.  No host function ever blocks a stream.
+	 */
+	PHX_CUDA_NO_MEMOPS = 1u << 0,
 	/* Do not register staging buffers with io_uring. */
 	PHX_CUDA_NO_FIXED_BUFS = 1u << 1,
+	/* One copy call per piece instead of cuMemcpyBatchAsync. */
+	PHX_CUDA_NO_BATCH_COPY = 1u << 2,
 };
 
 /*
  * Fill @cfg with the defaults above, overridden by PHX_CUDA_DEVICE,
- * PHX_CUDA_LANES, PHX_CUDA_BUFS, PHX_CUDA_BUF_SIZE and PHX_CUDA_MAX_IO.
+ * PHX_CUDA_LANES, PHX_CUDA_BUFS, PHX_CUDA_BUF_SIZE, PHX_CUDA_MAX_IO,
+ * PHX_CUDA_NO_MEMOPS=1 and PHX_CUDA_NO_BATCH_COPY=1.
  */
 void phx_cuda_config_init(struct phx_cuda_config *cfg);
 
 /*
- * Create the GPU staging context of @eng for one device: pins
- * lanes * bufs_per_lane * buf_size bytes of host memory once, starts the
- * lane threads.  @eng may be NULL; it only names the engine whose files
- * will be used (their fds are adopted per request by the lanes).
+ * Create a GPU staging context for one device: pins lanes * bufs_per_lane *
+ * buf_size bytes of host memory (at most PHX_CUDA_MAX_PINNED) plus 20 KiB of
+ * completion flags, once, and starts the lane threads.  @eng may be NULL;
+ * it only names the engine whose files the caller will use.
  */
 int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg,
 		    phx_cuda **out);
 
-/* Wait for everything queued, stop the lanes, free the staging memory. */
+/*
+ * Wait until every request has finished, stream-ordered ones whose streams
+ * have not reached them yet included, then stop the lanes and free the
+ * staging memory.  A stream that waits on work that can only happen after
+ * this call returns therefore deadlocks it: synchronise such streams first.
+ * Files still registered are deregistered.
+ */
 int phx_cuda_destroy(phx_cuda *cu);
 
 void phx_cuda_config_get(const phx_cuda *cu, struct phx_cuda_config *cfg);
 
-/* 1 when stream copies are gated by cuStreamWaitValue32, 0 for host fns. */
-int phx_cuda_uses_memops(const phx_cuda *cu);
+/* What a context found it can use (phx_cuda_features()). */
+enum {
+	PHX_CUDA_FEAT_MEMOPS = 1u << 0,		/* cuStreamWaitValue32: stream ops */
+	PHX_CUDA_FEAT_BATCH_COPY = 1u << 1,	/* cuMemcpyBatchAsync */
+	PHX_CUDA_FEAT_FIXED_BUFS = 1u << 2,	/* staging as io_uring fixed buffers */
+};
+uint32_t phx_cuda_features(const phx_cuda *cu);
+
+/*
+ * Register @f with the context (like cuFileHandleRegister): each lane
+ * adopts its fd now and keeps it until phx_cuda_file_deregister().  Without
+ * it, lanes adopt a file's fd on first use and drop it when no request of
+ * the context uses the file any more.  A registered file is held:
+ * phx_file_close() fails with -EBUSY until it is deregistered.
+ */
+int phx_cuda_file_register(phx_cuda *cu, phx_file *f);
+int phx_cuda_file_deregister(phx_cuda *cu, phx_file *f);
 
 /* ------------------------------------------------------------------------ */
 /* Requests                                                                 */
@@ -151,10 +176,16 @@ void phx_cuda_io_prep(struct phx_cuda_io *io, phx_file *f, enum phx_op op,
 		      uint64_t devptr, size_t len, uint64_t offset);
 
 /*
+ * Results, for every call below: bytes moved, or -errno.  A read stops at
+ * end of file as the file is when its I/O runs (short count; 0 at or past
+ * it) and writes no GPU byte past that point.  Any failure, of the file
+ * I/O or of a copy between staging and the GPU, makes the result -errno.
+ */
+
+/*
  * Synchronous: returns when the bytes are in GPU memory (read) or in the
- * file (write); bytes moved or -errno.  Reads stop at end of file (short
- * count); GPU bytes past it are left untouched.  Like cuFileRead, the call
- * is not ordered against other streams: synchronise them first.
+ * file (write).  Like cuFileRead, not ordered against any stream:
+ * synchronise the producer first, or use phx_cuda_submit_after().
  */
 int64_t phx_cuda_pread(phx_cuda *cu, phx_file *f, uint64_t devptr, size_t len,
 		       uint64_t offset);
@@ -162,17 +193,20 @@ int64_t phx_cuda_pwrite(phx_cuda *cu, phx_file *f, uint64_t devptr, size_t len,
 			uint64_t offset);
 
 /*
- * Asynchronous (host-side): queue @n requests on internal streams and
- * return; completion via phx_cuda_wait() or ->done.
+ * Asynchronous (host-side): check @n requests and queue them; completion
+ * via phx_cuda_wait() or ->done.  A batch is worth making: its requests
+ * share staging buffers and copy calls.  On a bad request the call returns
+ * its error; the requests before it stay queued, it and those after it are
+ * not (->done is cleared only on the requests queued).
  */
 int phx_cuda_submit(phx_cuda *cu, struct phx_cuda_io *const *ios, size_t n);
 
 /*
- * Like phx_cuda_submit(), but each request first waits for the work queued
- * on @stream at the time of the call (NULL: the legacy default stream):
- * a write sends what kernels queued there before produced, a read lands
- * after them.  The caller learns of completion on the host (->done), so
- * work it queues after that sees the data.
+ * Like phx_cuda_submit(), but the requests' GPU copies wait for the work
+ * queued on @stream at the time of the call (NULL: the legacy default
+ * stream): a write sends what kernels queued there before produced, a read
+ * lands after them.  The file side starts at once.  Completion is seen on
+ * the host (->done).
  */
 int phx_cuda_submit_after(phx_cuda *cu, struct phx_cuda_io *const *ios,
 			  size_t n, void *stream);
@@ -184,22 +218,33 @@ int phx_cuda_wait(phx_cuda *cu, struct phx_cuda_io *io, int64_t timeout_ns);
 int phx_cuda_submit_wait(phx_cuda *cu, struct phx_cuda_io *ios, size_t n);
 
 /*
- * Stream-ordered: queue @io on @stream (a CUstream).  ->result is valid
- * once the stream has passed the operation; ->done turns nonzero when libphx
- * no longer touches @io (at or shortly after that point).
+ * Stream-ordered, with cuFile's semantics (cuFileReadAsync/WriteAsync):
+ * the operation runs when @stream reaches it, after all work queued there
+ * before (a write sends what that work produced), and work queued after it
+ * runs once it is complete (a read's data is there).  Operations on one
+ * stream run one after the other, in order, so a read queued after a write
+ * on the same stream sees the write, and end of file is judged then.
+ *
+ * The arguments are read when the stream reaches the operation: for
+ * phx_cuda_submit_stream() the fields of @io; for read_async/write_async
+ * *@size, *@file_offset and *@buf_offset (the GPU address is @devptr_base +
+ * *@buf_offset).  They must stay valid until then.  The result is stored in
+ * io->result / *@bytes_done before the stream is released, so it is valid
+ * once the stream has passed the operation.  ->done turns nonzero when
+ * libphx no longer touches @io.  No CUDA callback thread ever waits: the
+ * stream waits on a pinned flag (cuStreamWaitValue32) that a lane raises.
+ *
+ * Returns 0 once queued (the result then always arrives), -ENOTSUP without
+ * stream memory operations, -EAGAIN with 4096 stream operations in flight.
  */
 int phx_cuda_submit_stream(phx_cuda *cu, struct phx_cuda_io *io, void *stream);
-
-/*
- * cuFileReadAsync-style convenience: read @size bytes at @file_offset into
- * @devptr on @stream; *@bytes_done (bytes or -errno) is valid once the
- * stream has passed the operation.  libphx owns the request.
- */
-int phx_cuda_read_async(phx_cuda *cu, phx_file *f, uint64_t devptr,
-			size_t size, uint64_t file_offset, int64_t *bytes_done,
+int phx_cuda_read_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
+			const size_t *size, const int64_t *file_offset,
+			const int64_t *buf_offset, int64_t *bytes_done,
 			void *stream);
-int phx_cuda_write_async(phx_cuda *cu, phx_file *f, uint64_t devptr,
-			 size_t size, uint64_t file_offset, int64_t *bytes_done,
+int phx_cuda_write_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
+			 const size_t *size, const int64_t *file_offset,
+			 const int64_t *buf_offset, int64_t *bytes_done,
 			 void *stream);
 
 /* ------------------------------------------------------------------------ */
@@ -216,13 +261,18 @@ struct phx_cuda_stats {
 	uint64_t buffered_bytes;	/* page cache (buffered files) */
 	uint64_t h2d_bytes;		/* staging -> GPU copies */
 	uint64_t d2h_bytes;		/* GPU -> staging copies */
-	uint64_t chunks;		/* staging-buffer uses */
+	uint64_t chunks;		/* request pieces moved through staging */
 	uint64_t stream_ops;		/* stream-ordered requests */
 	uint64_t errors;		/* requests that failed */
 	uint64_t fixed_buf_ios;		/* lane engines: fixed-buffer SQEs */
 	uint64_t sqes;			/* lane engines: device requests */
 	uint64_t staging_bytes;		/* pinned staging memory held */
-	uint64_t reserved[9];
+	uint64_t staging_fills;		/* staging-buffer rounds */
+	uint64_t memcpy_calls;		/* copy calls made (batched or not) */
+	uint64_t memcpy_batch_calls;	/* of those, cuMemcpyBatchAsync */
+	uint64_t file_adoptions;	/* lanes' phx_file_from_fd calls */
+	uint64_t pinned_bytes;		/* all pinned memory (staging + flags) */
+	uint64_t reserved[4];
 };
 
 void phx_cuda_stats(phx_cuda *cu, struct phx_cuda_stats *st);

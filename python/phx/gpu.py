@@ -26,12 +26,20 @@ Three ways to call it:
   gets there; kernels queued after a read see its data, a write sends what
   kernels queued before it produced.  No host synchronisation.
 
-Settings (environment, read when a context is created): ``PHX_CUDA_LANES``
-(staging threads, each with its own io_uring; CPUs, clamped to 4..16),
-``PHX_CUDA_BUFS`` (pinned buffers per lane; 4), ``PHX_CUDA_BUF_SIZE`` (bytes
-each; 2M),
-``PHX_CUDA_MAX_IO`` (largest device request; 1M), ``PHX_CUDA_HOSTFN_GATE=1``
-(gate streams with host functions instead of cuStreamWaitValue32).
+Batches: :func:`pread_batch` / :func:`pwrite_batch` (a list of buffers) and
+:func:`read_chunks` / :func:`write_chunks` (N file ranges <-> N places of one
+GPU buffer, e.g. KV blocks) submit everything with one call; the requests
+share staging buffers and a few copy calls (``cuMemcpyBatchAsync``).
+
+Files used for GPU I/O are held while it is in flight: ``File.close()``
+then fails with ``EBUSY`` (wait for the futures / synchronise the stream).
+
+Settings: a context takes, in this order, the keyword arguments of
+:func:`context`, the ``PHX_CUDA_*`` environment variables (``PHX_CUDA_LANES``,
+``PHX_CUDA_BUFS``, ``PHX_CUDA_BUF_SIZE``, ``PHX_CUDA_MAX_IO``,
+``PHX_CUDA_NO_BATCH_COPY=1``, ``PHX_CUDA_NO_MEMOPS=1``), the choice ``phx
+tune`` measured and cached for the device (:mod:`phx.tune`), and the built-in
+defaults (16 lanes x 4 x 4 MiB).  ``phx info`` shows which applied and why.
 """
 from __future__ import annotations
 
@@ -42,9 +50,10 @@ from collections import deque
 from typing import Any
 
 __all__ = [
-    "GPUFuture", "StreamOp", "context", "engine_stats", "is_available",
-    "is_device_buffer", "pread", "pread_async", "pwrite", "pwrite_async",
-    "read_async", "stats", "write_async",
+    "GPUBatch", "GPUFuture", "StreamOp", "context", "engine_stats", "is_available",
+    "is_device_buffer", "pread", "pread_async", "pread_batch", "pwrite", "pwrite_async",
+    "pwrite_batch", "read_async", "read_chunks", "read_chunks_async", "stats",
+    "write_async", "write_chunks", "write_chunks_async",
 ]
 
 try:
@@ -193,14 +202,16 @@ def _stream_handle(stream, view: _View | None = None) -> int:
 def context(engine=None, device: int = 0, **config):
     """The staging context of ``engine`` (default: phx's default engine) on
     ``device``, created on first use.  ``config`` (lanes, bufs_per_lane,
-    buf_size, max_io_size, hostfn_gate, fixed_bufs) applies when it is
-    created; pass ``_new=True`` to get a private one with these settings."""
+    buf_size, max_io_size, memops, batch_copy, fixed_bufs) applies when it
+    is created, over the environment and the tuned defaults; pass
+    ``_new=True`` to get a private one with these settings."""
     _require()
     if engine is None:
         import phx
         engine = phx.default_engine()
-    if config.pop("_new", False):
-        return _cuda.Context(engine, device, **config)
+    new = config.pop("_new", False)
+    if new:
+        return _cuda.Context(engine, device, **_with_defaults(device, config))
     key = (id(engine), device)
     with _lock:
         ctx = _contexts.get(key)
@@ -208,7 +219,7 @@ def context(engine=None, device: int = 0, **config):
             _contexts.pop(key, None)
             ctx = None
         if ctx is None:
-            ctx = _cuda.Context(engine, device, **config)
+            ctx = _cuda.Context(engine, device, **_with_defaults(device, config))
             import weakref
             try:
                 ref = weakref.ref(engine, lambda _r, k=key: _drop(k))
@@ -217,6 +228,23 @@ def context(engine=None, device: int = 0, **config):
             _contexts[key] = _Holder(ctx, ref)
             return ctx
         return ctx.ctx
+
+
+def _with_defaults(device: int, config: dict) -> dict:
+    """``config`` completed by the tuned choice for ``device`` where neither
+    it nor a PHX_CUDA_* variable sets a value."""
+    try:
+        from phx import tune
+        chosen = tune.defaults_for(device)
+    except Exception:  # noqa: BLE001 - a broken cache must not stop I/O
+        chosen = {}
+    out = dict(config)
+    env = {"lanes": "PHX_CUDA_LANES", "bufs_per_lane": "PHX_CUDA_BUFS",
+           "buf_size": "PHX_CUDA_BUF_SIZE", "max_io_size": "PHX_CUDA_MAX_IO"}
+    for k, v in chosen.items():
+        if k in env and k not in out and not os.environ.get(env[k]):
+            out[k] = v
+    return out
 
 
 class _Holder:
@@ -340,15 +368,119 @@ def pwrite_async(file, buf, offset: int = 0) -> GPUFuture:
     return GPUFuture(_submit(file, buf, offset, True, False))
 
 
+class GPUBatch:
+    """Completion of a batch: ``result()`` (bytes per request) and ``done()``."""
+
+    __slots__ = ("_b", "_res")
+
+    def __init__(self, b):
+        self._b = b
+        self._res = None
+
+    def done(self) -> bool:
+        return self._b.done()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Bytes moved by each request, in order; raises the first error."""
+        if self._res is None:
+            self._res = self._b.wait(timeout)
+        return self._b.check(self._res)
+
+
+def _batch(file, views, offsets, write: bool) -> GPUBatch:
+    _require()
+    if not views:
+        return GPUBatch(_EmptyBatch())
+    dev = views[0].device
+    if any(v.device != dev for v in views):
+        raise ValueError("a batch's GPU buffers must be on one device")
+    for o in offsets:
+        if o < 0:
+            raise OSError(22, "negative offset", getattr(file, "path", None))
+    if not write and any(v.readonly for v in views):
+        raise BufferReadOnlyError(22, "cannot read into a read-only GPU buffer",
+                                  getattr(file, "path", None))
+    ctx = _ctx_for(file, views[0])
+    return GPUBatch(ctx.submit_batch(
+        file._c_file, 0, list(offsets), [v.ptr for v in views], [v.nbytes for v in views],
+        write, keep=([v.keep for v in views], file), path=file.path,
+        after_stream=_stream_handle(None, views[0])))
+
+
+class _EmptyBatch:
+    def done(self):
+        return True
+
+    def wait(self, timeout=None):
+        return []
+
+    def check(self, res):
+        return res
+
+
 def pread_batch(file, reqs) -> list[int]:
-    """Read ``[(gpu_buf, offset), ...]``: all queued at once, then waited for."""
-    futs = [pread_async(file, b, o) for b, o in reqs]
-    return [f.result() for f in futs]
+    """Read ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
+    return pread_batch_async(file, reqs).result()
 
 
 def pwrite_batch(file, reqs) -> list[int]:
-    futs = [pwrite_async(file, b, o) for b, o in reqs]
-    return [f.result() for f in futs]
+    """Write ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
+    return pwrite_batch_async(file, reqs).result()
+
+
+def pread_batch_async(file, reqs) -> GPUBatch:
+    path = getattr(file, "path", None)
+    return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], False)
+
+
+def pwrite_batch_async(file, reqs) -> GPUBatch:
+    path = getattr(file, "path", None)
+    return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], True)
+
+
+def _chunks(file, buf, file_offsets, buf_offsets, sizes, write: bool) -> GPUBatch:
+    """N ranges of ``file`` <-> N places of one GPU buffer, one submission."""
+    _require()
+    import numpy as np
+    path = getattr(file, "path", None)
+    view = _view(buf, path)
+    if not write and view.readonly:
+        raise BufferReadOnlyError(22, "cannot read into a read-only GPU buffer", path)
+    fo = np.asarray(file_offsets, dtype=np.int64)
+    bo = np.asarray(buf_offsets, dtype=np.int64)
+    sz = np.asarray(sizes, dtype=np.int64)
+    if not (fo.shape == bo.shape == sz.shape) or fo.ndim != 1:
+        raise ValueError("file_offsets, buf_offsets and sizes must be 1-D and of one length")
+    if fo.size and (fo.min() < 0 or bo.min() < 0 or sz.min() < 0):
+        raise OSError(22, "negative offset or size", path)
+    if fo.size and int((bo + sz).max()) > view.nbytes:
+        raise OSError(22, f"a chunk runs past the {view.nbytes}-byte GPU buffer", path)
+    ctx = _ctx_for(file, view)
+    return GPUBatch(ctx.submit_batch(file._c_file, view.ptr, fo, bo, sz, write,
+                                     keep=(view.keep, file), path=file.path,
+                                     after_stream=_stream_handle(None, view)))
+
+
+def read_chunks_async(file, buf, file_offsets, buf_offsets, sizes) -> GPUBatch:
+    """Read ``sizes[i]`` bytes at ``file_offsets[i]`` into ``buf`` at byte
+    ``buf_offsets[i]``, for every i, with one submission."""
+    return _chunks(file, buf, file_offsets, buf_offsets, sizes, False)
+
+
+def write_chunks_async(file, buf, file_offsets, buf_offsets, sizes) -> GPUBatch:
+    """Write ``sizes[i]`` bytes of ``buf`` at byte ``buf_offsets[i]`` to
+    ``file_offsets[i]``, for every i, with one submission."""
+    return _chunks(file, buf, file_offsets, buf_offsets, sizes, True)
+
+
+def read_chunks(file, buf, file_offsets, buf_offsets, sizes) -> list[int]:
+    """:func:`read_chunks_async`, waited for: bytes per chunk (short at EOF)."""
+    return read_chunks_async(file, buf, file_offsets, buf_offsets, sizes).result()
+
+
+def write_chunks(file, buf, file_offsets, buf_offsets, sizes) -> list[int]:
+    """:func:`write_chunks_async`, waited for: bytes per chunk."""
+    return write_chunks_async(file, buf, file_offsets, buf_offsets, sizes).result()
 
 
 # ---------------------------------------------------------------------------

@@ -15,8 +15,13 @@ cdef extern from "phx_cuda.h" nogil:
         pass
 
     enum:
-        PHX_CUDA_HOSTFN_GATE
+        PHX_CUDA_NO_MEMOPS
         PHX_CUDA_NO_FIXED_BUFS
+        PHX_CUDA_NO_BATCH_COPY
+        PHX_CUDA_FEAT_MEMOPS
+        PHX_CUDA_FEAT_BATCH_COPY
+        PHX_CUDA_FEAT_FIXED_BUFS
+        PHX_CUDA_MAX_PINNED
 
     struct phx_cuda_config:
         uint32_t size
@@ -58,6 +63,11 @@ cdef extern from "phx_cuda.h" nogil:
         uint64_t fixed_buf_ios
         uint64_t sqes
         uint64_t staging_bytes
+        uint64_t staging_fills
+        uint64_t memcpy_calls
+        uint64_t memcpy_batch_calls
+        uint64_t file_adoptions
+        uint64_t pinned_bytes
 
     int phx_cuda_available(char *why, size_t len)
     const char *phx_cuda_strerror_last()
@@ -66,7 +76,9 @@ cdef extern from "phx_cuda.h" nogil:
     int phx_cuda_create(phx_engine *eng, const phx_cuda_config *cfg, phx_cuda **out)
     int phx_cuda_destroy(phx_cuda *cu)
     void phx_cuda_config_get(const phx_cuda *cu, phx_cuda_config *cfg)
-    int phx_cuda_uses_memops(const phx_cuda *cu)
+    uint32_t phx_cuda_features(const phx_cuda *cu)
+    int phx_cuda_file_register(phx_cuda *cu, phx_file *f)
+    int phx_cuda_file_deregister(phx_cuda *cu, phx_file *f)
     void phx_cuda_io_prep(phx_cuda_io *io, phx_file *f, int op, uint64_t devptr,
                           size_t len, uint64_t offset)
     int64_t phx_cuda_pread(phx_cuda *cu, phx_file *f, uint64_t devptr, size_t len,
@@ -77,5 +89,11 @@ cdef extern from "phx_cuda.h" nogil:
     int phx_cuda_submit_after(phx_cuda *cu, phx_cuda_io **ios, size_t n, void *stream)
     int phx_cuda_wait(phx_cuda *cu, phx_cuda_io *io, int64_t timeout_ns)
     int phx_cuda_submit_stream(phx_cuda *cu, phx_cuda_io *io, void *stream)
+    int phx_cuda_read_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
+                            const size_t *size, const int64_t *file_offset,
+                            const int64_t *buf_offset, int64_t *bytes_done, void *stream)
+    int phx_cuda_write_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
+                             const size_t *size, const int64_t *file_offset,
+                             const int64_t *buf_offset, int64_t *bytes_done, void *stream)
     void phx_cuda_stats(phx_cuda *cu, phx_cuda_stats_s *st)
     void phx_cuda_stats_reset(phx_cuda *cu)

@@ -66,9 +66,13 @@ cdef dict _cfg_dict(phx_cuda_config *cfg):
         "bufs_per_lane": cfg.bufs_per_lane,
         "buf_size": cfg.buf_size,
         "max_io_size": cfg.max_io_size,
-        "hostfn_gate": bool(cfg.flags & PHX_CUDA_HOSTFN_GATE),
+        "memops": not (cfg.flags & PHX_CUDA_NO_MEMOPS),
+        "batch_copy": not (cfg.flags & PHX_CUDA_NO_BATCH_COPY),
         "fixed_bufs": not (cfg.flags & PHX_CUDA_NO_FIXED_BUFS),
     }
+
+
+MAX_PINNED = PHX_CUDA_MAX_PINNED
 
 
 # DLPack (dlpack.h v0.8, the unversioned capsule "dltensor")
@@ -172,6 +176,59 @@ cdef inline bint __atomic_done(phx_cuda_io *io) nogil:
     return (<volatile uint32_t *>&io.done)[0] != 0
 
 
+cdef class Batch:
+    """Many GPU requests submitted with one call (an array of phx_cuda_io)."""
+    cdef phx_cuda_io *ios
+    cdef size_t n
+    cdef Context ctx
+    cdef object keep
+    cdef readonly object path
+
+    def __dealloc__(self):
+        cdef size_t i
+        if self.ios != NULL:
+            if self.ctx is not None and self.ctx.cu != NULL:
+                with nogil:
+                    for i in range(self.n):
+                        if not __atomic_done(&self.ios[i]):
+                            phx_cuda_wait(self.ctx.cu, &self.ios[i], -1)
+            free(self.ios)
+            self.ios = NULL
+
+    def __len__(self):
+        return self.n
+
+    def done(self) -> bool:
+        cdef size_t i
+        for i in range(self.n):
+            if not __atomic_done(&self.ios[i]):
+                return False
+        return True
+
+    def wait(self, timeout=None) -> list:
+        """Wait for all; return the raw results (bytes or -errno), in order."""
+        cdef int64_t t = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef size_t i
+        cdef int rc = 0
+        with nogil:
+            for i in range(self.n):
+                if not __atomic_done(&self.ios[i]):
+                    rc = phx_cuda_wait(self.ctx.cu, &self.ios[i], t)
+                    if rc < 0:
+                        break
+        if rc < 0:
+            raise TimeoutError("GPU batch not complete within the timeout")
+        self.keep = None
+        return [self.ios[i].result for i in range(self.n)]
+
+    def check(self, list res) -> list:
+        """``res`` as byte counts, or raise the first request's OSError."""
+        for r in res:
+            if r < 0:
+                raise _err(<int>r, self.path)
+        return res
+
+
 cdef class Context:
     """A phx_cuda context: pinned staging lanes for one engine and device."""
     cdef phx_cuda *cu
@@ -180,7 +237,8 @@ cdef class Context:
     cdef readonly int pid
 
     def __cinit__(self, engine, int device=0, lanes=None, bufs_per_lane=None,
-                  buf_size=None, max_io_size=None, hostfn_gate=None, fixed_bufs=None):
+                  buf_size=None, max_io_size=None, memops=None, batch_copy=None,
+                  fixed_bufs=None):
         cdef phx_cuda_config cfg
         cdef phx_engine *e = NULL
         cdef int rc
@@ -195,9 +253,12 @@ cdef class Context:
             cfg.buf_size = buf_size
         if max_io_size is not None:
             cfg.max_io_size = max_io_size
-        if hostfn_gate is not None:
-            cfg.flags = (cfg.flags | PHX_CUDA_HOSTFN_GATE) if hostfn_gate else \
-                (cfg.flags & ~PHX_CUDA_HOSTFN_GATE)
+        if memops is not None:
+            cfg.flags = (cfg.flags & ~PHX_CUDA_NO_MEMOPS) if memops else \
+                (cfg.flags | PHX_CUDA_NO_MEMOPS)
+        if batch_copy is not None:
+            cfg.flags = (cfg.flags & ~PHX_CUDA_NO_BATCH_COPY) if batch_copy else \
+                (cfg.flags | PHX_CUDA_NO_BATCH_COPY)
         if fixed_bufs is not None:
             cfg.flags = (cfg.flags & ~PHX_CUDA_NO_FIXED_BUFS) if fixed_bufs else \
                 (cfg.flags | PHX_CUDA_NO_FIXED_BUFS)
@@ -226,7 +287,8 @@ cdef class Context:
         return self.cu
 
     def close(self) -> None:
-        """Wait for queued requests, stop the lanes, unpin the staging memory."""
+        """Wait for every request (stream-ordered ones too), stop the lanes,
+        unpin the staging memory."""
         cdef phx_cuda *c = self.cu
         if c == NULL:
             return
@@ -236,10 +298,16 @@ cdef class Context:
 
     @property
     def config(self) -> dict:
+        """The configuration in force and what the context found it can use."""
         cdef phx_cuda_config cfg
+        cdef uint32_t feat
         phx_cuda_config_get(self._get(), &cfg)
+        feat = phx_cuda_features(self.cu)
         d = _cfg_dict(&cfg)
-        d["memops"] = bool(phx_cuda_uses_memops(self.cu))
+        d["memops"] = bool(feat & PHX_CUDA_FEAT_MEMOPS)
+        d["batch_copy"] = bool(feat & PHX_CUDA_FEAT_BATCH_COPY)
+        d["fixed_bufs"] = bool(feat & PHX_CUDA_FEAT_FIXED_BUFS)
+        d["pinned_bytes"] = self.stats()["pinned_bytes"]
         return d
 
     def stats(self) -> dict:
@@ -250,6 +318,17 @@ cdef class Context:
 
     def reset_stats(self) -> None:
         phx_cuda_stats_reset(self._get())
+
+    def register_file(self, uintptr_t file_addr, path=None) -> None:
+        """Adopt the file on every lane now and hold it until deregistered."""
+        cdef int rc = phx_cuda_file_register(self._get(), <phx_file *>file_addr)
+        if rc < 0:
+            raise _err(rc, path)
+
+    def deregister_file(self, uintptr_t file_addr, path=None) -> None:
+        cdef int rc = phx_cuda_file_deregister(self._get(), <phx_file *>file_addr)
+        if rc < 0:
+            raise _err(rc, path)
 
     def pread(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
               path=None) -> int:
@@ -287,9 +366,8 @@ cdef class Context:
 
     def submit(self, uintptr_t file_addr, uint64_t devptr, size_t n, uint64_t offset,
                bint write, keep=None, path=None, after_stream=None) -> IO:
-        """Host-async request on an internal stream.  With ``after_stream`` (a
-        CUstream int; 0 = legacy default) it first waits for the work queued
-        there now."""
+        """Host-async request.  With ``after_stream`` (a CUstream int; 0 =
+        legacy default) its copies follow the work queued there now."""
         cdef phx_cuda *c = self._get()
         cdef IO h = self._new(file_addr, devptr, n, offset, write, keep, path)
         cdef phx_cuda_io *io = h.io
@@ -307,6 +385,59 @@ cdef class Context:
             raise _err(rc, path)
         return h
 
+    def submit_batch(self, uintptr_t file_addr, uint64_t base, file_offsets,
+                     buf_offsets, sizes, bint write, keep=None, path=None,
+                     after_stream=None) -> Batch:
+        """N requests on one file in one call: request i moves ``sizes[i]``
+        bytes between ``file_offsets[i]`` and GPU address ``base +
+        buf_offsets[i]``.  The three are sequences of ints (or uint64/int64
+        arrays).  With ``after_stream`` the copies follow that stream."""
+        cdef phx_cuda *c = self._get()
+        cdef Batch b = Batch.__new__(Batch)
+        cdef size_t n = len(sizes), i
+        cdef phx_cuda_io **ptrs
+        cdef int rc
+        cdef uintptr_t s = 0
+        cdef bint after = after_stream is not None
+        cdef const uint64_t *fo
+        cdef const uint64_t *bo
+        cdef const uint64_t *sz
+        if len(file_offsets) != n or len(buf_offsets) != n:
+            raise ValueError("file_offsets, buf_offsets and sizes differ in length")
+        fa, ba, sa = _u64(file_offsets), _u64(buf_offsets), _u64(sizes)
+        fo = <const uint64_t *><uintptr_t>_addr(fa)
+        bo = <const uint64_t *><uintptr_t>_addr(ba)
+        sz = <const uint64_t *><uintptr_t>_addr(sa)
+        b.ctx = self
+        b.keep = keep
+        b.path = path
+        b.n = n
+        b.ios = <phx_cuda_io *>calloc(n if n else 1, sizeof(phx_cuda_io))
+        ptrs = <phx_cuda_io **>calloc(n if n else 1, sizeof(phx_cuda_io *))
+        if b.ios == NULL or ptrs == NULL:
+            free(ptrs)
+            raise MemoryError()
+        if after:
+            s = <uintptr_t>after_stream
+        with nogil:
+            for i in range(n):
+                phx_cuda_io_prep(&b.ios[i], <phx_file *>file_addr,
+                                 OP_WRITE if write else OP_READ,
+                                 base + bo[i], sz[i], fo[i])
+                # not queued until the C side accepts it (it clears done)
+                b.ios[i].done = 1
+                b.ios[i].result = -125  # -ECANCELED
+                ptrs[i] = &b.ios[i]
+            if after:
+                rc = phx_cuda_submit_after(c, ptrs, n, <void *>s)
+            else:
+                rc = phx_cuda_submit(c, ptrs, n)
+        free(ptrs)
+        if rc < 0:
+            b.wait()
+            raise _err(rc, path)
+        return b
+
     def submit_stream(self, uintptr_t file_addr, uint64_t devptr, size_t n,
                       uint64_t offset, bint write, uintptr_t stream, keep=None,
                       path=None) -> IO:
@@ -320,3 +451,37 @@ cdef class Context:
             h.io.done = 1
             raise _err(rc, path)
         return h
+
+    def stream_deferred(self, uintptr_t file_addr, uint64_t base, uintptr_t args,
+                        bint write, uintptr_t stream, path=None) -> None:
+        """cuFile-style stream op whose arguments are read when the stream
+        gets there: ``args`` is the address of four int64 in host memory,
+        [size, file_offset, buf_offset, bytes_done]; the caller keeps them
+        alive until the stream has passed the operation."""
+        cdef phx_cuda *c = self._get()
+        cdef int64_t *a = <int64_t *>args
+        cdef int rc
+        with nogil:
+            if write:
+                rc = phx_cuda_write_async(c, <phx_file *>file_addr, base, <size_t *>&a[0],
+                                          &a[1], &a[2], &a[3], <void *>stream)
+            else:
+                rc = phx_cuda_read_async(c, <phx_file *>file_addr, base, <size_t *>&a[0],
+                                         &a[1], &a[2], &a[3], <void *>stream)
+        if rc < 0:
+            raise _err(rc, path)
+
+
+def _u64(seq):
+    """A contiguous uint64 array of a sequence of non-negative ints."""
+    import numpy as np
+    a = np.ascontiguousarray(seq)
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError("offsets and sizes must be integers")
+    if a.dtype.kind == "i" and a.size and a.min() < 0:
+        raise OSError(_errno.EINVAL, "negative offset or size")
+    return np.ascontiguousarray(a, dtype=np.uint64)
+
+
+def _addr(a) -> int:
+    return a.ctypes.data if a.size else 0

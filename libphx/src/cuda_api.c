@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * cuda_api.c - the public request calls of phx_cuda.h and its counters.
+ *
+ * Each call only builds requests (cuda_request.c) and queues them; the
+ * lanes (cuda_lanes.c) do the work.  A batch of n host-async requests costs
+ * n small allocations from a pool, one lock and, after a producer stream,
+ * one cuEventRecord.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+#define QUEUE_BATCH 256
+
+CU_EXPORT void phx_cuda_io_prep(struct phx_cuda_io *io, phx_file *f, enum phx_op op,
+				uint64_t devptr, size_t len, uint64_t offset)
+{
+	memset(io, 0, sizeof(*io));
+	io->file = f;
+	io->op = op;
+	io->devptr = devptr;
+	io->len = len;
+	io->offset = offset;
+}
+
+/* An event on @s (NULL: the legacy default stream) for copies to follow. */
+static int after_new(phx_cuda *c, CUstream s, struct cu_after **out)
+{
+	struct cu_after *a = calloc(1, sizeof(*a));
+	CUresult r;
+	int ret;
+
+	if (!a)
+		return cu_err(-ENOMEM, "out of memory");
+	ret = ev_get(c, &a->ev);
+	if (ret) {
+		free(a);
+		return ret;
+	}
+	r = c->d->EventRecord(a->ev, s ? s : (CUstream)1 /* CU_STREAM_LEGACY */);
+	if (r != CUDA_SUCCESS) {
+		ev_put(c, a->ev);
+		free(a);
+		return cu_fail(c->d, r, "cuEventRecord on the producer stream");
+	}
+	a->refs = 1;
+	*out = a;
+	return 0;
+}
+
+static void after_drop(phx_cuda *c, struct cu_after *a)
+{
+	if (a && __atomic_sub_fetch(&a->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+		ev_put(c, a->ev);
+		free(a);
+	}
+}
+
+/*
+ * Queue host-async requests; with @ordered, their copies follow the work on
+ * @after_stream at the time of the call.  Stops at the first bad request
+ * (its error is returned; the ones before it stay queued).
+ */
+static int submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
+		       bool ordered, void *after_stream)
+{
+	struct cu_req *batch[QUEUE_BATCH];
+	struct cu_after *after = NULL;
+	struct cu_file *cf = NULL;
+	uint64_t range[2] = { 0, 0 };
+	size_t i, k = 0;
+	int ret;
+
+	if (!c || (!ios && n))
+		return cu_err(-EINVAL, "phx_cuda_submit: NULL argument");
+	if (!n)
+		return 0;
+	ret = ctx_push(c);
+	if (ret)
+		return ret;
+	if (ordered) {
+		ret = after_new(c, (CUstream)after_stream, &after);
+		if (ret) {
+			ctx_pop(c);
+			return ret;
+		}
+	}
+	for (i = 0; i < n; i++) {
+		struct cu_req *rq;
+
+		ret = rq_host(c, ios[i], after, range, &cf, &rq);
+		if (ret)
+			break;
+		if (rq)
+			batch[k++] = rq;
+		if (k == QUEUE_BATCH) {
+			rq_queue(c, batch, k);
+			k = 0;
+		}
+	}
+	rq_queue(c, batch, k);
+	if (cf)
+		cf_put(c, cf);
+	after_drop(c, after);
+	ctx_pop(c);
+	return ret;
+}
+
+CU_EXPORT int phx_cuda_submit(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n)
+{
+	return submit_host(c, ios, n, false, NULL);
+}
+
+CU_EXPORT int phx_cuda_submit_after(phx_cuda *c, struct phx_cuda_io *const *ios,
+				    size_t n, void *stream)
+{
+	return submit_host(c, ios, n, true, stream);
+}
+
+CU_EXPORT int phx_cuda_wait(phx_cuda *c, struct phx_cuda_io *io, int64_t timeout_ns)
+{
+	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
+
+	if (!c || !io)
+		return cu_err(-EINVAL, "phx_cuda_wait: NULL argument");
+	if (__atomic_load_n(&io->done, __ATOMIC_ACQUIRE))
+		return 0;
+	pthread_mutex_lock(&c->done_lock);
+	while (!__atomic_load_n(&io->done, __ATOMIC_ACQUIRE)) {
+		if (deadline < 0) {
+			pthread_cond_wait(&c->done_cond, &c->done_lock);
+		} else {
+			int64_t left = deadline - phx_now_ns();
+
+			if (left <= 0) {
+				pthread_mutex_unlock(&c->done_lock);
+				return cu_err(-ETIME, "request not complete within the timeout");
+			}
+			phx_cond_wait_ns(&c->done_cond, &c->done_lock, left);
+		}
+	}
+	pthread_mutex_unlock(&c->done_lock);
+	return 0;
+}
+
+CU_EXPORT int phx_cuda_submit_wait(phx_cuda *c, struct phx_cuda_io *ios, size_t n)
+{
+	struct phx_cuda_io *one;
+	size_t i, queued = 0;
+	int ret = 0;
+
+	if (!c || (!ios && n))
+		return cu_err(-EINVAL, "phx_cuda_submit_wait: NULL argument");
+	for (i = 0; i < n && !ret; i++) {
+		one = &ios[i];
+		ret = submit_host(c, &one, 1, false, NULL);
+		if (!ret)
+			queued++;
+	}
+	for (i = 0; i < queued; i++)
+		phx_cuda_wait(c, &ios[i], -1);
+	return ret;
+}
+
+static int64_t sync_io(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t devptr,
+		       size_t len, uint64_t off)
+{
+	struct phx_cuda_io io, *p = &io;
+	int ret;
+
+	if (!c)
+		return cu_err(-EINVAL, "NULL context");
+	phx_cuda_io_prep(&io, f, op, devptr, len, off);
+	ret = submit_host(c, &p, 1, false, NULL);
+	if (ret)
+		return ret;
+	phx_cuda_wait(c, &io, -1);
+	return io.result;
+}
+
+CU_EXPORT int64_t phx_cuda_pread(phx_cuda *c, phx_file *f, uint64_t devptr, size_t len,
+				 uint64_t offset)
+{
+	return sync_io(c, f, PHX_OP_READ, devptr, len, offset);
+}
+
+CU_EXPORT int64_t phx_cuda_pwrite(phx_cuda *c, phx_file *f, uint64_t devptr,
+				  size_t len, uint64_t offset)
+{
+	return sync_io(c, f, PHX_OP_WRITE, devptr, len, offset);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Stream-ordered                                                           */
+/* ------------------------------------------------------------------------ */
+
+CU_EXPORT int phx_cuda_submit_stream(phx_cuda *c, struct phx_cuda_io *io, void *stream)
+{
+	if (!c || !io)
+		return cu_err(-EINVAL, "phx_cuda_submit_stream: NULL argument");
+	return rq_stream(c, io, false, io->file, io->op, 0, NULL, NULL, NULL, NULL,
+			 (CUstream)stream);
+}
+
+static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t base,
+		       const size_t *size, const int64_t *foff, const int64_t *boff,
+		       int64_t *bytes_done, void *stream)
+{
+	struct phx_cuda_io *io;
+
+	if (!c)
+		return cu_err(-EINVAL, "NULL context");
+	/* owned, so io->result is there for the counters even without bytes_done */
+	io = calloc(1, sizeof(*io));
+	if (!io)
+		return cu_err(-ENOMEM, "out of memory");
+	io->file = f;
+	io->op = op;
+	return rq_stream(c, io, true, f, op, base, size, foff, boff, bytes_done,
+			 (CUstream)stream);
+}
+
+CU_EXPORT int phx_cuda_read_async(phx_cuda *c, phx_file *f, uint64_t devptr_base,
+				  const size_t *size, const int64_t *file_offset,
+				  const int64_t *buf_offset, int64_t *bytes_done,
+				  void *stream)
+{
+	return async_owned(c, f, PHX_OP_READ, devptr_base, size, file_offset, buf_offset,
+			   bytes_done, stream);
+}
+
+CU_EXPORT int phx_cuda_write_async(phx_cuda *c, phx_file *f, uint64_t devptr_base,
+				   const size_t *size, const int64_t *file_offset,
+				   const int64_t *buf_offset, int64_t *bytes_done,
+				   void *stream)
+{
+	return async_owned(c, f, PHX_OP_WRITE, devptr_base, size, file_offset, buf_offset,
+			   bytes_done, stream);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Counters                                                                 */
+/* ------------------------------------------------------------------------ */
+
+CU_EXPORT void phx_cuda_stats(phx_cuda *c, struct phx_cuda_stats *st)
+{
+	uint32_t i;
+
+	memcpy(st, &c->st, sizeof(*st));
+	st->fixed_buf_ios = 0;
+	st->sqes = 0;
+	for (i = 0; i < c->nlanes; i++) {
+		struct phx_stats es;
+
+		phx_engine_stats(c->lanes[i].eng, &es);
+		st->fixed_buf_ios += es.fixed_buf_ios;
+		st->sqes += es.sqes;
+	}
+}
+
+CU_EXPORT void phx_cuda_stats_reset(phx_cuda *c)
+{
+	uint64_t staging = c->st.staging_bytes, pinned = c->st.pinned_bytes;
+	uint32_t i;
+
+	memset(&c->st, 0, sizeof(c->st));
+	c->st.staging_bytes = staging;
+	c->st.pinned_bytes = pinned;
+	for (i = 0; i < c->nlanes; i++)
+		phx_engine_stats_reset(c->lanes[i].eng);
+}

@@ -1,0 +1,446 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * cuda_context.c - GPU staging contexts: configuration, create, destroy,
+ * and the small pools requests draw from (events, completion-flag slots).
+ *
+ * A context pins lanes * bufs_per_lane * buf_size bytes of staging memory
+ * once (plus one 16 KiB page of completion flags) and starts one lane thread
+ * per lane.  Nothing else is pinned later: that product is the bound that
+ * phx_cuda_stats.pinned_bytes reports.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cuda_internal.h"
+
+/* the flag page: CU_SLOTS words for stream ops, one more for the probe */
+#define FLAGS_BYTES (CU_SLOTS * 4u + 4096u)
+#define PROBE_SLOT CU_SLOTS
+
+/* ------------------------------------------------------------------------ */
+/* Configuration                                                            */
+/* ------------------------------------------------------------------------ */
+
+CU_EXPORT void phx_cuda_config_init(struct phx_cuda_config *cfg)
+{
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	const char *v;
+
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->size = sizeof(*cfg);
+	cfg->device = (int32_t)phx_env_u32("PHX_CUDA_DEVICE", 0);
+	/*
+	 * Built-in defaults, used until `phx tune` has measured the machine
+	 * (phx.gpu then passes its choice explicitly): one lane per CPU up to
+	 * 16 (RAM-speed devices complete I/O inline in each lane's thread), 4
+	 * buffers of 4 MiB each (256 MiB pinned at 16 lanes), which kept the
+	 * H200 box's virtio disk at its O_DIRECT limit in docs/gpu.md's sweep.
+	 */
+	cfg->lanes = phx_env_u32("PHX_CUDA_LANES",
+				 ncpu < 4 ? 4 : ncpu > 16 ? 16 : (uint32_t)ncpu);
+	cfg->bufs_per_lane = phx_env_u32("PHX_CUDA_BUFS", 4);
+	cfg->buf_size = phx_env_u32("PHX_CUDA_BUF_SIZE", 4u << 20);
+	cfg->max_io_size = phx_env_u32("PHX_CUDA_MAX_IO", 4u << 20);
+	v = getenv("PHX_CUDA_NO_BATCH_COPY");
+	if (v && atoi(v))
+		cfg->flags |= PHX_CUDA_NO_BATCH_COPY;
+	v = getenv("PHX_CUDA_NO_MEMOPS");
+	if (v && atoi(v))
+		cfg->flags |= PHX_CUDA_NO_MEMOPS;
+}
+
+static int config_check(const struct phx_cuda_config *c)
+{
+	uint64_t pinned = (uint64_t)c->lanes * c->bufs_per_lane * c->buf_size;
+
+	if (c->lanes < 1 || c->lanes > CU_MAX_LANES)
+		return cu_err(-EINVAL, "lanes %u is outside 1..%u", c->lanes, CU_MAX_LANES);
+	if (c->bufs_per_lane < 1 || c->lanes * c->bufs_per_lane > CU_MAX_BUFS)
+		return cu_err(-EINVAL, "bufs_per_lane %u: 1.. and lanes * bufs_per_lane <= %u",
+			      c->bufs_per_lane, CU_MAX_BUFS);
+	if (c->buf_size < 65536 || c->buf_size > (256u << 20) || c->buf_size % 65536)
+		return cu_err(-EINVAL, "buf_size %u must be a multiple of 64 KiB in 64 KiB..256 MiB",
+			      c->buf_size);
+	if (c->max_io_size < 4096 || c->max_io_size % 4096)
+		return cu_err(-EINVAL, "max_io_size %u must be a multiple of 4096",
+			      c->max_io_size);
+	if (pinned > PHX_CUDA_MAX_PINNED)
+		return cu_err(-EINVAL, "lanes * bufs_per_lane * buf_size = %llu MiB exceeds the %u MiB bound",
+			      (unsigned long long)(pinned >> 20), PHX_CUDA_MAX_PINNED >> 20);
+	return 0;
+}
+
+CU_EXPORT void phx_cuda_config_get(const phx_cuda *c, struct phx_cuda_config *cfg)
+{
+	*cfg = c->cfg;
+}
+
+CU_EXPORT uint32_t phx_cuda_features(const phx_cuda *c)
+{
+	return (c->memops ? PHX_CUDA_FEAT_MEMOPS : 0) |
+	       (__atomic_load_n(&c->batch_copy, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_BATCH_COPY : 0) |
+	       (c->fixed_bufs ? PHX_CUDA_FEAT_FIXED_BUFS : 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers the other files share                                      */
+/* ------------------------------------------------------------------------ */
+
+int ctx_push(phx_cuda *c)
+{
+	CUresult r = c->d->CtxPushCurrent(c->ctx);
+
+	return r == CUDA_SUCCESS ? 0 : cu_fail(c->d, r, "cuCtxPushCurrent");
+}
+
+void ctx_pop(phx_cuda *c)
+{
+	CUcontext dummy;
+
+	c->d->CtxPopCurrent(&dummy);
+}
+
+int ev_get(phx_cuda *c, CUevent *ev)
+{
+	CUresult r;
+
+	pthread_mutex_lock(&c->lock);
+	if (c->nev_free) {
+		*ev = c->ev_free[--c->nev_free];
+		pthread_mutex_unlock(&c->lock);
+		return 0;
+	}
+	pthread_mutex_unlock(&c->lock);
+	r = c->d->EventCreate(ev, CU_EVENT_DISABLE_TIMING);
+	return r == CUDA_SUCCESS ? 0 : cu_fail(c->d, r, "cuEventCreate");
+}
+
+static bool vec_push(CUevent **v, size_t *n, size_t *cap, CUevent ev)
+{
+	if (*n == *cap) {
+		size_t ncap = *cap ? *cap * 2 : 64;
+		CUevent *nv = realloc(*v, ncap * sizeof(*nv));
+
+		if (!nv)
+			return false;
+		*v = nv;
+		*cap = ncap;
+	}
+	(*v)[(*n)++] = ev;
+	return true;
+}
+
+void ev_put(phx_cuda *c, CUevent ev)
+{
+	bool kept;
+
+	if (!ev)
+		return;
+	pthread_mutex_lock(&c->lock);
+	kept = vec_push(&c->ev_free, &c->nev_free, &c->ev_cap, ev);
+	pthread_mutex_unlock(&c->lock);
+	if (!kept)
+		c->d->EventDestroy(ev);
+}
+
+/*
+ * A completion-flag slot for one stream operation.  Each slot's counter
+ * only grows; the caller's stream waits with a cyclic >= compare, so a slot
+ * can be handed out again as soon as its operation finished: a later use
+ * raises the counter further and can never hold back, or release early, a
+ * waiter of an earlier one.
+ */
+int slot_get(phx_cuda *c, uint32_t *slot, uint32_t *seq)
+{
+	pthread_mutex_lock(&c->lock);
+	if (!c->nslot_free) {
+		pthread_mutex_unlock(&c->lock);
+		return cu_err(-EAGAIN, "%u stream operations are already in flight", CU_SLOTS);
+	}
+	*slot = c->slot_free[--c->nslot_free];
+	*seq = ++c->slot_seq[*slot];
+	pthread_mutex_unlock(&c->lock);
+	return 0;
+}
+
+void slot_put_locked(phx_cuda *c, uint32_t slot)
+{
+	c->slot_free[c->nslot_free++] = slot;
+}
+
+/*
+ * The event recorded after a stream op's wait: until it completes, the GPU
+ * may still read the flag page, so destroy synchronises these first.  They
+ * are recycled here once complete (a cheap query of the oldest).
+ */
+void linger_add_locked(phx_cuda *c, CUevent ev)
+{
+	if (!vec_push(&c->linger, &c->nlinger, &c->linger_cap, ev))
+		c->d->EventSynchronize(ev);	/* no memory: settle it now */
+}
+
+static void linger_reap(phx_cuda *c)
+{
+	CUevent ev = NULL;
+
+	pthread_mutex_lock(&c->lock);
+	if (c->nlinger)
+		ev = c->linger[0];
+	pthread_mutex_unlock(&c->lock);
+	if (!ev || c->d->EventQuery(ev) != CUDA_SUCCESS)
+		return;
+	pthread_mutex_lock(&c->lock);
+	if (c->nlinger && c->linger[0] == ev) {
+		memmove(c->linger, c->linger + 1, (c->nlinger - 1) * sizeof(*c->linger));
+		c->nlinger--;
+		if (!vec_push(&c->ev_free, &c->nev_free, &c->ev_cap, ev))
+			ev = NULL;	/* destroyed below */
+		else
+			ev = (CUevent)1;
+	}
+	pthread_mutex_unlock(&c->lock);
+	if (ev && ev != (CUevent)1)
+		c->d->EventDestroy(ev);
+}
+
+/* Called by stream-op submission: recycle a few settled pass events. */
+void ctx_housekeeping(phx_cuda *c)
+{
+	int i;
+
+	for (i = 0; i < 2; i++)
+		linger_reap(c);
+}
+
+void stat_add(phx_cuda *c, uint64_t *field, uint64_t n)
+{
+	__atomic_add_fetch(field, n, __ATOMIC_RELAXED);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Create / destroy                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Can a stream wait on a host-written flag here? */
+static bool memops_work(phx_cuda *c)
+{
+	CUstream s = NULL;
+	CUresult r;
+	bool ok;
+
+	if (c->d->StreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+		return false;
+	c->flags[PROBE_SLOT] = 1;
+	r = c->d->StreamWaitValue32(s, c->flags_d + 4ull * PROBE_SLOT, 1,
+				    CU_STREAM_WAIT_VALUE_GEQ);
+	ok = r == CUDA_SUCCESS && c->d->StreamSynchronize(s) == CUDA_SUCCESS;
+	c->d->StreamDestroy(s);
+	return ok;
+}
+
+static int flags_setup(phx_cuda *c)
+{
+	CUresult r;
+	uint32_t i;
+
+	c->flags = mmap(NULL, FLAGS_BYTES, PROT_READ | PROT_WRITE,
+			MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+	if (c->flags == MAP_FAILED) {
+		c->flags = NULL;
+		return cu_err(-ENOMEM, "cannot map the flag page");
+	}
+	r = c->d->MemHostRegister(c->flags, FLAGS_BYTES,
+				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostRegister (flags)");
+	c->flags_registered = true;
+	r = c->d->MemHostGetDevicePointer(&c->flags_d, c->flags, 0);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (flags)");
+	c->slot_free = calloc(CU_SLOTS, sizeof(*c->slot_free));
+	c->slot_seq = calloc(CU_SLOTS, sizeof(*c->slot_seq));
+	if (!c->slot_free || !c->slot_seq)
+		return cu_err(-ENOMEM, "out of memory");
+	for (i = 0; i < CU_SLOTS; i++)
+		c->slot_free[i] = CU_SLOTS - 1 - i;
+	c->nslot_free = CU_SLOTS;
+	return 0;
+}
+
+static int ctx_setup(phx_cuda *c)
+{
+	uint32_t i;
+	int ret;
+
+	ret = flags_setup(c);
+	if (ret)
+		return ret;
+	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c);
+	c->batch_copy = c->d->MemcpyBatchAsync && !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY);
+	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);
+	c->nlanes = c->cfg.lanes;
+	c->lanes = calloc(c->nlanes, sizeof(*c->lanes));
+	if (!c->lanes)
+		return cu_err(-ENOMEM, "out of memory");
+	for (i = 0; i < c->nlanes; i++) {
+		ret = lane_setup(c, &c->lanes[i], i);
+		if (ret)
+			return ret;
+	}
+	c->st.staging_bytes = (uint64_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size;
+	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES;
+	return 0;
+}
+
+CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg,
+			      phx_cuda **out)
+{
+	const struct cu_driver *d;
+	phx_cuda *c;
+	CUresult r;
+	int ret;
+
+	if (!out)
+		return cu_err(-EINVAL, "phx_cuda_create: NULL argument");
+	*out = NULL;
+	d = cu_driver();
+	if (!d)
+		return -ENODEV;
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return cu_err(-ENOMEM, "out of memory");
+	if (cfg)
+		memcpy(&c->cfg, cfg, cfg->size && cfg->size < sizeof(c->cfg) ?
+		       cfg->size : sizeof(c->cfg));
+	else
+		phx_cuda_config_init(&c->cfg);
+	c->cfg.size = sizeof(c->cfg);
+	ret = config_check(&c->cfg);
+	if (ret) {
+		free(c);
+		return ret;
+	}
+	c->d = d;
+	c->eng = eng;
+	pthread_mutex_init(&c->lock, NULL);
+	pthread_mutex_init(&c->done_lock, NULL);
+	pthread_cond_init(&c->done_cond, NULL);
+	pthread_mutex_init(&c->st_lock, NULL);
+	if (c->cfg.device < 0 || c->cfg.device >= d->ndev) {
+		ret = cu_err(-ENODEV, "CUDA device %d does not exist (%d present)",
+			     c->cfg.device, d->ndev);
+		goto fail_free;
+	}
+	r = d->DeviceGet(&c->dev, c->cfg.device);
+	if (r != CUDA_SUCCESS) {
+		ret = cu_fail(d, r, "cuDeviceGet");
+		goto fail_free;
+	}
+	r = d->DevicePrimaryCtxRetain(&c->ctx, c->dev);
+	if (r != CUDA_SUCCESS) {
+		ret = cu_fail(d, r, "cuDevicePrimaryCtxRetain");
+		goto fail_free;
+	}
+	ret = ctx_push(c);
+	if (ret) {
+		d->DevicePrimaryCtxRelease(c->dev);
+		goto fail_free;
+	}
+	ret = ctx_setup(c);
+	ctx_pop(c);
+	if (ret) {
+		char keep[512];
+
+		cu_err_save(keep, sizeof(keep));
+		phx_cuda_destroy(c);
+		cu_err_restore(keep);
+		return ret;
+	}
+	*out = c;
+	return 0;
+
+fail_free:
+	pthread_mutex_destroy(&c->lock);
+	pthread_mutex_destroy(&c->done_lock);
+	pthread_cond_destroy(&c->done_cond);
+	pthread_mutex_destroy(&c->st_lock);
+	free(c);
+	return ret;
+}
+
+/*
+ * Wait until every request has finished, including stream operations whose
+ * streams have not reached them yet: their host functions and waits refer
+ * to this context's memory, so it can only go once they have run.
+ */
+static void wait_idle(phx_cuda *c)
+{
+	pthread_mutex_lock(&c->done_lock);
+	while (c->live)
+		pthread_cond_wait(&c->done_cond, &c->done_lock);
+	pthread_mutex_unlock(&c->done_lock);
+}
+
+static void files_drop(phx_cuda *c)
+{
+	struct cu_file *cf;
+	uint32_t i;
+
+	while ((cf = c->files)) {
+		c->files = cf->next;
+		for (i = 0; i < c->nlanes; i++)
+			if (cf->lf[i])
+				phx_file_close(cf->lf[i]);
+		phx_file_unhold(cf->f);
+		free(cf);
+	}
+}
+
+CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
+{
+	struct cu_req *rq;
+	uint32_t i;
+
+	if (!c)
+		return 0;
+	wait_idle(c);
+	if (ctx_push(c) == 0) {
+		/* the GPU may still poll flags of finished stream ops */
+		for (i = 0; i < c->nlinger; i++) {
+			c->d->EventSynchronize(c->linger[i]);
+			c->d->EventDestroy(c->linger[i]);
+		}
+		c->nlinger = 0;
+		for (i = 0; c->lanes && i < c->nlanes; i++)
+			lane_stop(c, &c->lanes[i]);
+		files_drop(c);	/* registered ones: their lane files first */
+		for (i = 0; c->lanes && i < c->nlanes; i++)
+			lane_free(c, &c->lanes[i]);
+		while (c->nev_free)
+			c->d->EventDestroy(c->ev_free[--c->nev_free]);
+		if (c->flags_registered)
+			c->d->MemHostUnregister(c->flags);
+		ctx_pop(c);
+	}
+	if (c->flags)
+		munmap(c->flags, FLAGS_BYTES);
+	while ((rq = c->free_reqs)) {
+		c->free_reqs = rq->next;
+		free(rq);
+	}
+	free(c->linger);
+	free(c->ev_free);
+	free(c->slot_free);
+	free(c->slot_seq);
+	free(c->lanes);
+	c->d->DevicePrimaryCtxRelease(c->dev);
+	pthread_mutex_destroy(&c->lock);
+	pthread_mutex_destroy(&c->done_lock);
+	pthread_cond_destroy(&c->done_cond);
+	pthread_mutex_destroy(&c->st_lock);
+	free(c);
+	return 0;
+}

@@ -1,0 +1,325 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * cuda_internal.h - state shared by the cuda_*.c files; not installed.
+ *
+ * The GPU path in five files, one concern each:
+ *   cuda_driver.c   libcuda loaded at run time (no CUDA headers), errors
+ *   cuda_context.c  contexts: configuration, pinned staging, lanes' setup,
+ *                   completion-flag slots, pools, destroy
+ *   cuda_request.c  a request's whole life cycle, from submission to the
+ *                   published result (read that file first)
+ *   cuda_lanes.c    lane threads: pieces of requests through staging buffers
+ *                   (file I/O on the lane's io_uring, copies on its stream)
+ *   cuda_api.c      the public request calls and counters
+ *
+ * Locks.  c->lock guards the ready queue, the sleeping lanes, the file
+ * entries and the pools; c->done_lock guards c->live and host waiters.  The
+ * order is c->lock, then c->done_lock.  Neither is ever held across a CUDA
+ * call or file I/O: a CUDA call may block (a full stream command queue)
+ * until lanes make progress, and CUDA's callback thread takes c->lock.
+ */
+#ifndef PHX_CUDA_INTERNAL_H
+#define PHX_CUDA_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "phx_cuda.h"
+#include "internal.h"
+
+#define CU_EXPORT __attribute__((visibility("default")))
+
+#define CU_MAX_LANES 64u
+#define CU_MAX_BUFS 1024u	/* lanes * bufs_per_lane */
+#define CU_MAX_PIECES 64u	/* request pieces packed into one staging buffer */
+#define CU_SLOTS 4096u		/* stream operations in flight per context */
+
+/* ------------------------------------------------------------------------ */
+/* The driver API, declared by hand (cuda_driver.c)                         */
+/* ------------------------------------------------------------------------ */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef uint64_t CUdeviceptr;
+typedef void (*CUhostFn)(void *user);
+
+enum {
+	CUDA_SUCCESS = 0,
+	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_OUT_OF_MEMORY = 2,
+	CUDA_ERROR_NOT_READY = 600,
+	CU_STREAM_NON_BLOCKING = 1,
+	CU_EVENT_DISABLE_TIMING = 2,
+	CU_MEMHOSTREGISTER_PORTABLE = 1,
+	CU_MEMHOSTREGISTER_DEVICEMAP = 2,
+	CU_STREAM_WAIT_VALUE_GEQ = 0,
+	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+	CU_MEMORYTYPE_DEVICE = 2,
+	CU_MEMORYTYPE_UNIFIED = 4,
+	CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
+};
+
+/* CUmemLocation and CUmemcpyAttributes (cuda.h 12.8+) */
+struct cu_memloc {
+	int type;
+	int id;
+};
+
+struct cu_memcpy_attr {
+	int src_access_order;
+	struct cu_memloc src_hint;
+	struct cu_memloc dst_hint;
+	unsigned int flags;
+};
+
+struct cu_driver {
+	int version;		/* cuDriverGetVersion, e.g. 13000 */
+	int ndev;
+	CUresult (*Init)(unsigned);
+	CUresult (*DriverGetVersion)(int *);
+	CUresult (*DeviceGetCount)(int *);
+	CUresult (*DeviceGet)(CUdevice *, int);
+	CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+	CUresult (*CtxSetCurrent)(CUcontext);
+	CUresult (*CtxPushCurrent)(CUcontext);
+	CUresult (*CtxPopCurrent)(CUcontext *);
+	CUresult (*StreamCreate)(CUstream *, unsigned);
+	CUresult (*StreamDestroy)(CUstream);
+	CUresult (*StreamSynchronize)(CUstream);
+	CUresult (*StreamQuery)(CUstream);
+	CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+	CUresult (*StreamWaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned);
+	CUresult (*EventCreate)(CUevent *, unsigned);
+	CUresult (*EventDestroy)(CUevent);
+	CUresult (*EventRecord)(CUevent, CUstream);
+	CUresult (*EventQuery)(CUevent);
+	CUresult (*EventSynchronize)(CUevent);
+	CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+	CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+	CUresult (*MemHostRegister)(void *, size_t, unsigned);
+	CUresult (*MemHostUnregister)(void *);
+	CUresult (*MemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned);
+	CUresult (*MemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+	CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *);
+	CUresult (*GetErrorString)(CUresult, const char **);
+	CUresult (*PointerGetAttribute)(void *, int, CUdeviceptr);
+	/* CUDA >= 12.8 (the 12.8 ABI, with failIdx), else NULL */
+	CUresult (*MemcpyBatchAsync)(CUdeviceptr *dsts, CUdeviceptr *srcs,
+				     size_t *sizes, size_t count,
+				     struct cu_memcpy_attr *attrs, size_t *attr_idxs,
+				     size_t nattrs, size_t *fail_idx, CUstream s);
+};
+
+/* The driver table once libcuda is loaded, else NULL (and the reason set). */
+const struct cu_driver *cu_driver(void);
+/* Why CUDA can or cannot be used ("CUDA driver 13.0, 1 device"). */
+const char *cu_driver_why(void);
+/* -errno for a failed driver call, with the driver's text as last error. */
+int cu_fail(const struct cu_driver *d, CUresult r, const char *what);
+/* Set this thread's last-error text; returns @err. */
+int cu_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Keep / restore the last-error text across cleanup that may overwrite it. */
+void cu_err_save(char *buf, size_t len);
+void cu_err_restore(const char *buf);
+
+/* ------------------------------------------------------------------------ */
+/* Requests (cuda_request.c)                                                */
+/* ------------------------------------------------------------------------ */
+
+enum rq_state {
+	RQ_WAITING,	/* stream op: queued on the caller's stream, not reached */
+	RQ_ARRIVED,	/* the stream reached it: its arguments are to be read */
+	RQ_READY,	/* on the ready queue with pieces left to hand out */
+	RQ_CUT,		/* every piece handed to a lane; pieces in flight */
+	RQ_DONE,
+};
+
+/* A file as the GPU path uses it: held, and adopted once per lane. */
+struct cu_file {
+	struct cu_file *next;		/* c->files */
+	phx_file *f;			/* the caller's file (held) */
+	int fd;
+	bool direct;
+	uint32_t align;			/* staging congruence: 1, or >= 512 */
+	uint32_t refs;			/* requests + registrations (c->lock) */
+	uint32_t registrations;
+	phx_file *lf[];			/* per lane; created and used by that lane */
+};
+
+/* An event on a producer stream that host-async copies wait for. */
+struct cu_after {
+	CUevent ev;
+	int refs;			/* atomic */
+};
+
+struct cu_req {
+	struct cu_req *next;		/* ready queue / free list (c->lock) */
+	phx_cuda *c;
+	struct phx_cuda_io *io;		/* the caller's, or owned */
+	struct cu_file *cf;
+	struct cu_after *after;
+	uint8_t state;			/* enum rq_state */
+	uint8_t op;
+	bool owned;			/* io is ours: free it at the end */
+	bool stream_op;
+	bool io_args;			/* stream op: arguments are io's fields */
+	/* stream ops: read when the stream reaches the operation */
+	const size_t *size_p;
+	const int64_t *foff_p, *boff_p;
+	uint64_t base;
+	int64_t *bytes_done;
+	uint32_t slot, seq;		/* the flag the caller's stream waits on */
+	CUevent pass_ev;		/* recorded after that wait */
+	/* resolved arguments */
+	uint64_t devptr, off, len, end;
+	uint64_t cursor;		/* next file offset to hand out (c->lock) */
+	int pieces;			/* pieces not finished, +1 until RQ_CUT */
+	/* outcome, updated atomically by the lanes */
+	int64_t err;
+	uint64_t short_end;		/* lowest end of a short read */
+	uint64_t direct_bytes, bounce_bytes, buffered_bytes;
+	uint32_t paths;
+};
+
+int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
+	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out);
+int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
+	      uint32_t op, uint64_t base, const size_t *size_p,
+	      const int64_t *foff_p, const int64_t *boff_p, int64_t *bytes_done,
+	      CUstream s);
+void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n);
+int rq_resolve(struct cu_req *rq);
+struct cu_piece;
+bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
+	    bool first);
+void rq_piece_io(struct cu_piece *p);
+void rq_piece_done(struct cu_piece *p);
+void rq_fail(struct cu_req *rq, int64_t err);
+void rq_finish(struct cu_req *rq);
+void rq_abandon(struct cu_req *rq, int err);
+struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
+void cf_put(phx_cuda *c, struct cu_file *cf);
+int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
+
+/* ------------------------------------------------------------------------ */
+/* Lanes (cuda_lanes.c)                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* A part of one request that fits one staging buffer. */
+struct cu_piece {
+	struct cu_req *rq;
+	uint64_t io_off;		/* the file operation */
+	uint32_t io_len;
+	uint32_t soff;			/* staging offset of io_off */
+	uint64_t user_off;		/* the caller's bytes it carries (file range) */
+	uint32_t user_len;
+	uint32_t got;			/* of those, delivered */
+	bool io_started;		/* pio was submitted */
+	struct phx_io pio;
+};
+
+enum sb_state {
+	SB_FREE,
+	SB_IO,		/* file I/O in flight (read: first; write: last) */
+	SB_COPY,	/* copies in flight on the lane's stream */
+};
+
+struct cu_lane;
+
+struct cu_sbuf {
+	struct cu_lane *ln;
+	char *mem;
+	uint8_t state;
+	uint8_t op;
+	uint32_t fill, npieces, ios_left;
+	CUevent ev;			/* recorded after the copies */
+	int copied;			/* set by the lane stream's host function */
+	int64_t started_ns;		/* when the copies were queued */
+	struct cu_piece pieces[CU_MAX_PIECES];
+};
+
+struct cu_lane {
+	phx_cuda *c;
+	uint32_t index;
+	pthread_t thr;
+	bool started;
+	bool stop;			/* c->lock */
+	bool sleeping;			/* on c->sleepers (c->lock) */
+	struct cu_lane *next_sleeper;
+	phx_engine *eng;
+	int efd;			/* the engine's eventfd: CQEs, wakeups */
+	char *mem;
+	size_t mem_len;
+	bool cuda_registered;
+	bool uring_registered;
+	CUstream stream;
+	struct cu_sbuf *bufs;
+	uint32_t nbufs;
+	/* copy lists, one batch at a time */
+	CUdeviceptr dsts[CU_MAX_PIECES], srcs[CU_MAX_PIECES];
+	size_t sizes[CU_MAX_PIECES];
+};
+
+int lane_setup(phx_cuda *c, struct cu_lane *ln, uint32_t index);
+void lane_stop(phx_cuda *c, struct cu_lane *ln);
+void lane_free(phx_cuda *c, struct cu_lane *ln);
+void lanes_wake(phx_cuda *c, uint32_t want);
+
+/* ------------------------------------------------------------------------ */
+/* Contexts (cuda_context.c)                                                */
+/* ------------------------------------------------------------------------ */
+
+struct phx_cuda {
+	struct phx_cuda_config cfg;
+	const struct cu_driver *d;
+	phx_engine *eng;
+	CUdevice dev;
+	CUcontext ctx;
+	bool memops;
+	bool batch_copy;
+	bool fixed_bufs;
+	struct cu_lane *lanes;
+	uint32_t nlanes;
+
+	pthread_mutex_t lock;
+	struct cu_req *ready_head, *ready_tail;
+	struct cu_lane *sleepers;
+	struct cu_file *files;
+	struct cu_req *free_reqs;
+	uint32_t *slot_free;		/* stack of free flag slots */
+	uint32_t nslot_free;
+	uint32_t *slot_seq;		/* last sequence number of each slot */
+	CUevent *linger;		/* pass events of finished stream ops */
+	size_t nlinger, linger_cap;
+	CUevent *ev_free;		/* event pool */
+	size_t nev_free, ev_cap;
+
+	uint32_t *flags;		/* CU_SLOTS words, device-mapped */
+	CUdeviceptr flags_d;
+	bool flags_registered;
+
+	pthread_mutex_t done_lock;
+	pthread_cond_t done_cond;
+	uint64_t live;			/* requests not finished (done_lock) */
+
+	pthread_mutex_t st_lock;
+	struct phx_cuda_stats st;
+};
+
+int ctx_push(phx_cuda *c);
+void ctx_pop(phx_cuda *c);
+int ev_get(phx_cuda *c, CUevent *ev);
+void ev_put(phx_cuda *c, CUevent ev);
+int slot_get(phx_cuda *c, uint32_t *slot, uint32_t *seq);
+void slot_put_locked(phx_cuda *c, uint32_t slot);
+void linger_add_locked(phx_cuda *c, CUevent ev);
+void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
+void ctx_housekeeping(phx_cuda *c);
+
+#endif /* PHX_CUDA_INTERNAL_H */

@@ -1,0 +1,742 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * cuda_request.c - the life cycle of one GPU request, start to end.
+ *
+ * A request moves bytes between a file range and GPU memory through the
+ * context's pinned staging buffers.  Its states (struct cu_req.state):
+ *
+ *   host-async (phx_cuda_submit, _submit_after, _pread, _pwrite)
+ *     rq_host() checks the arguments now and takes a reference on the file
+ *     ------------------------------------------------------> RQ_READY
+ *
+ *   stream-ordered (phx_cuda_submit_stream, _read_async, _write_async)
+ *     rq_stream() queues two things on the caller's stream: a host function
+ *     (arrive_fn, which only links the request into the ready queue and
+ *     wakes a lane; it never waits for anything) and a cuStreamWaitValue32
+ *     on the request's completion flag.                       RQ_WAITING
+ *     The stream reaches the host function: all work queued before is done.
+ *                                                             RQ_ARRIVED
+ *     A lane reads the arguments now (cuFile semantics: the pointed-to size,
+ *     file offset and buffer offset are taken when the stream gets there)
+ *     and checks them: rq_resolve().                          RQ_READY
+ *
+ *   both
+ *     Lanes cut the request into pieces that fit a staging buffer, packing
+ *     small requests together (rq_cut(), under c->lock).  Once every byte
+ *     is handed out:                                          RQ_CUT
+ *     Each piece: file I/O and a copy (reads: file -> staging -> GPU;
+ *     writes: GPU -> staging -> file).  rq_piece_io() judges the file I/O
+ *     (end of file is found here, by a short read, never by an fstat at
+ *     submission), rq_piece_done() counts the piece once its copy, or its
+ *     write, is complete; the last one calls rq_finish().
+ *     rq_finish(): the result is the bytes moved (short at end of file) or
+ *     the first error of any piece, copy errors included.  It is stored in
+ *     io->result and *bytes_done *before* the completion flag is raised, so
+ *     it is valid once the caller's stream has passed the operation; then
+ *     the file reference is dropped and the caller is told (io->done).
+ *                                                             RQ_DONE
+ *
+ * Files.  Every request holds its file through a struct cu_file (one per
+ * caller phx_file): phx_file_hold() keeps phx_file_close() failing with
+ * -EBUSY while GPU I/O on it is queued or in flight, and each lane adopts
+ * the fd once per cu_file (phx_file_from_fd on the lane's engine) instead of
+ * once per request.  The entry lives while requests use it, or while the
+ * file is registered (phx_cuda_file_register).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+static uint64_t min_u64(uint64_t a, uint64_t b)
+{
+	return a < b ? a : b;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static struct cu_file *cf_find_locked(phx_cuda *c, phx_file *f)
+{
+	struct cu_file *cf;
+
+	for (cf = c->files; cf; cf = cf->next)
+		if (cf->f == f)
+			return cf;
+	return NULL;
+}
+
+struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err)
+{
+	struct phx_file_info fi;
+	struct cu_file *cf, *old;
+	int ret;
+
+	pthread_mutex_lock(&c->lock);
+	cf = cf_find_locked(c, f);
+	if (cf) {
+		cf->refs++;
+		pthread_mutex_unlock(&c->lock);
+		return cf;
+	}
+	pthread_mutex_unlock(&c->lock);
+
+	ret = phx_file_get_info(f, &fi);
+	if (ret) {
+		*err = cu_err(ret, "%s", phx_strerror_last());
+		return NULL;
+	}
+	cf = calloc(1, sizeof(*cf) + c->nlanes * sizeof(cf->lf[0]));
+	if (!cf) {
+		*err = cu_err(-ENOMEM, "out of memory");
+		return NULL;
+	}
+	cf->f = f;
+	cf->fd = fi.fd;
+	cf->direct = fi.direct;
+	cf->align = 1;
+	if (fi.direct) {
+		cf->align = fi.offset_align > fi.mem_align ? fi.offset_align : fi.mem_align;
+		if (cf->align < 512)
+			cf->align = 512;
+	}
+	if (cf->align > c->cfg.buf_size) {
+		*err = cu_err(-EINVAL, "file alignment %u exceeds the staging buffer", cf->align);
+		free(cf);
+		return NULL;
+	}
+	cf->refs = 1;
+	phx_file_hold(f);
+
+	pthread_mutex_lock(&c->lock);
+	old = cf_find_locked(c, f);	/* another thread was quicker */
+	if (old) {
+		old->refs++;
+		pthread_mutex_unlock(&c->lock);
+		phx_file_unhold(f);
+		free(cf);
+		return old;
+	}
+	cf->next = c->files;
+	c->files = cf;
+	pthread_mutex_unlock(&c->lock);
+	return cf;
+}
+
+void cf_put(phx_cuda *c, struct cu_file *cf)
+{
+	struct cu_file **pp;
+	uint32_t i;
+
+	pthread_mutex_lock(&c->lock);
+	if (--cf->refs) {
+		pthread_mutex_unlock(&c->lock);
+		return;
+	}
+	for (pp = &c->files; *pp; pp = &(*pp)->next) {
+		if (*pp == cf) {
+			*pp = cf->next;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&c->lock);
+	/* no request uses it any more: no lane touches its lf[] now */
+	for (i = 0; i < c->nlanes; i++)
+		if (cf->lf[i])
+			phx_file_close(cf->lf[i]);
+	phx_file_unhold(cf->f);
+	free(cf);
+}
+
+CU_EXPORT int phx_cuda_file_register(phx_cuda *c, phx_file *f)
+{
+	struct cu_file *cf;
+	int err = 0;
+
+	if (!c || !f)
+		return cu_err(-EINVAL, "phx_cuda_file_register: NULL argument");
+	cf = cf_get(c, f, &err);
+	if (!cf)
+		return err;
+	pthread_mutex_lock(&c->lock);
+	cf->registrations++;
+	pthread_mutex_unlock(&c->lock);
+	return 0;
+}
+
+CU_EXPORT int phx_cuda_file_deregister(phx_cuda *c, phx_file *f)
+{
+	struct cu_file *cf;
+
+	if (!c || !f)
+		return cu_err(-EINVAL, "phx_cuda_file_deregister: NULL argument");
+	pthread_mutex_lock(&c->lock);
+	cf = cf_find_locked(c, f);
+	if (!cf || !cf->registrations) {
+		pthread_mutex_unlock(&c->lock);
+		return cu_err(-ENOENT, "file is not registered with this context");
+	}
+	cf->registrations--;
+	pthread_mutex_unlock(&c->lock);
+	cf_put(c, cf);
+	return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Device memory checks                                                     */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * @p .. @p + @len must be device memory of the context's device, inside one
+ * allocation.  @range (may be NULL) caches the last allocation checked, so
+ * a batch of pieces of one buffer costs the driver queries once.
+ */
+int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2])
+{
+	const struct cu_driver *d = c->d;
+	unsigned int mtype = 0;
+	CUdeviceptr base = 0;
+	size_t size = 0;
+	int ord = -1;
+	CUresult r;
+
+	if (range && p >= range[0] && p + len <= range[1] && p + len >= p)
+		return 0;
+	r = d->PointerGetAttribute(&mtype, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p);
+	if (r != CUDA_SUCCESS || (mtype != CU_MEMORYTYPE_DEVICE && mtype != CU_MEMORYTYPE_UNIFIED))
+		return cu_err(-EINVAL, "0x%llx is not CUDA device memory",
+			      (unsigned long long)p);
+	r = d->PointerGetAttribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p);
+	if (r == CUDA_SUCCESS && ord != c->cfg.device)
+		return cu_err(-EXDEV, "memory of device %d given to the context of device %d",
+			      ord, c->cfg.device);
+	r = d->MemGetAddressRange(&base, &size, p);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(d, r, "cuMemGetAddressRange");
+	if (p + len < p || p + len > base + size)
+		return cu_err(-EFAULT, "0x%llx + %zu runs past its allocation (%zu bytes at 0x%llx)",
+			      (unsigned long long)p, len, size, (unsigned long long)base);
+	if (range) {
+		range[0] = base;
+		range[1] = base + size;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Birth                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static struct cu_req *rq_alloc(phx_cuda *c)
+{
+	struct cu_req *rq;
+
+	pthread_mutex_lock(&c->lock);
+	rq = c->free_reqs;
+	if (rq)
+		c->free_reqs = rq->next;
+	pthread_mutex_unlock(&c->lock);
+	if (!rq)
+		rq = malloc(sizeof(*rq));
+	if (rq) {
+		memset(rq, 0, sizeof(*rq));
+		rq->c = c;
+		rq->short_end = UINT64_MAX;
+		rq->pieces = 1;		/* dropped once every piece is handed out */
+	}
+	return rq;
+}
+
+static void live_inc(phx_cuda *c)
+{
+	pthread_mutex_lock(&c->done_lock);
+	c->live++;
+	pthread_mutex_unlock(&c->done_lock);
+}
+
+static int check_io(const struct phx_cuda_io *io)
+{
+	if (!io || !io->file)
+		return cu_err(-EINVAL, "NULL request or file");
+	if (io->op != PHX_OP_READ && io->op != PHX_OP_WRITE)
+		return cu_err(-EINVAL, "unknown op %u", io->op);
+	return 0;
+}
+
+/*
+ * A host-async request, checked now; *@out is NULL when it finished at once
+ * (zero length).  Queue it with rq_queue().  *@cfp is the caller's file
+ * entry for a batch (NULL at first; cf_put() it after the batch), so a
+ * batch on one file looks the entry up once and keeps it alive throughout.
+ */
+int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
+	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out)
+{
+	struct cu_req *rq;
+	int ret, err = 0;
+
+	*out = NULL;
+	ret = check_io(io);
+	if (ret)
+		return ret;
+	if (io->len) {
+		ret = cu_check_devptr(c, io->devptr, io->len, range);
+		if (ret)
+			return ret;
+	}
+	if (!*cfp || (*cfp)->f != io->file) {
+		if (*cfp)
+			cf_put(c, *cfp);
+		*cfp = cf_get(c, io->file, &err);
+		if (!*cfp)
+			return err;
+	}
+	rq = rq_alloc(c);
+	if (!rq)
+		return cu_err(-ENOMEM, "out of memory");
+	pthread_mutex_lock(&c->lock);
+	(*cfp)->refs++;
+	pthread_mutex_unlock(&c->lock);
+	rq->cf = *cfp;
+	/* accepted: from here on it always completes */
+	io->done = 0;
+	io->result = 0;
+	rq->io = io;
+	rq->op = (uint8_t)io->op;
+	rq->devptr = io->devptr;
+	rq->off = io->offset;
+	rq->len = io->len;
+	rq->end = rq->off + rq->len;
+	rq->cursor = rq->off;
+	if (after) {
+		__atomic_add_fetch(&after->refs, 1, __ATOMIC_RELAXED);
+		rq->after = after;
+	}
+	live_inc(c);
+	if (!rq->len) {
+		rq->pieces = 0;
+		rq_finish(rq);
+		return 0;
+	}
+	rq->state = RQ_READY;
+	*out = rq;
+	return 0;
+}
+
+/* CUDA's callback thread: the caller's stream reached the request. */
+static void arrive_fn(void *arg)
+{
+	struct cu_req *rq = arg;
+	phx_cuda *c = rq->c;
+
+	pthread_mutex_lock(&c->lock);
+	rq->state = RQ_ARRIVED;
+	rq->next = NULL;
+	if (c->ready_tail)
+		c->ready_tail->next = rq;
+	else
+		c->ready_head = rq;
+	c->ready_tail = rq;
+	pthread_mutex_unlock(&c->lock);
+	lanes_wake(c, 1);
+}
+
+/*
+ * A stream-ordered request on @s.  With @io set (phx_cuda_submit_stream)
+ * its fields are the arguments; otherwise the pointers are, and @io is
+ * owned (or NULL).  Returns 0 once queued: from then on the request always
+ * finishes, with its result in *@bytes_done.
+ */
+int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
+	      uint32_t op, uint64_t base, const size_t *size_p,
+	      const int64_t *foff_p, const int64_t *boff_p, int64_t *bytes_done,
+	      CUstream s)
+{
+	const struct cu_driver *d = c->d;
+	struct cu_req *rq;
+	CUresult r;
+	int ret, err = 0;
+
+	if (!c->memops)
+		return cu_err(-ENOTSUP, "stream-ordered I/O needs stream memory operations (cuStreamWaitValue32), which this context does not have");
+	if (!f)
+		return cu_err(-EINVAL, "NULL file");
+	if (op != PHX_OP_READ && op != PHX_OP_WRITE)
+		return cu_err(-EINVAL, "unknown op %u", op);
+	if (!io && (!size_p || !foff_p || !boff_p))
+		return cu_err(-EINVAL, "NULL size or offset pointer");
+	ctx_housekeeping(c);
+	rq = rq_alloc(c);
+	if (!rq)
+		return cu_err(-ENOMEM, "out of memory");
+	rq->cf = cf_get(c, f, &err);
+	if (!rq->cf) {
+		free(rq);
+		return err;
+	}
+	rq->io = io;
+	rq->owned = owned;
+	rq->stream_op = true;
+	rq->io_args = io && !owned;
+	rq->op = (uint8_t)op;
+	rq->base = base;
+	rq->size_p = size_p;
+	rq->foff_p = foff_p;
+	rq->boff_p = boff_p;
+	rq->bytes_done = bytes_done;
+	rq->state = RQ_WAITING;
+	if (io) {
+		io->done = 0;
+		io->result = 0;
+	}
+	ret = slot_get(c, &rq->slot, &rq->seq);
+	if (ret) {
+		cf_put(c, rq->cf);
+		free(rq);
+		return ret;
+	}
+	if (ev_get(c, &rq->pass_ev))
+		rq->pass_ev = NULL;
+	live_inc(c);
+
+	ret = ctx_push(c);
+	if (ret) {
+		rq_abandon(rq, ret);
+		return ret;
+	}
+	r = d->LaunchHostFunc(s, arrive_fn, rq);
+	if (r != CUDA_SUCCESS) {
+		ctx_pop(c);
+		ret = cu_fail(d, r, "cuLaunchHostFunc (stream-ordered request)");
+		rq_abandon(rq, ret);
+		return ret;
+	}
+	/*
+	 * From here the request will arrive whatever happens: if the stream
+	 * cannot be made to wait, the request fails when it gets there.
+	 */
+	r = d->StreamWaitValue32(s, c->flags_d + 4ull * rq->slot, rq->seq,
+				 CU_STREAM_WAIT_VALUE_GEQ);
+	if (r != CUDA_SUCCESS)
+		rq_fail(rq, cu_fail(d, r, "cuStreamWaitValue32 (stream-ordered request)"));
+	if (rq->pass_ev && d->EventRecord(rq->pass_ev, s) != CUDA_SUCCESS) {
+		/* cannot tell when the GPU is past the flag: it stays mapped */
+		ev_put(c, rq->pass_ev);
+		rq->pass_ev = NULL;
+	}
+	ctx_pop(c);
+	stat_add(c, &c->st.stream_ops, 1);
+	return 0;
+}
+
+/* Link host-async requests into the ready queue and wake lanes for them. */
+void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n)
+{
+	uint64_t bytes = 0;
+	size_t i;
+
+	if (!n)
+		return;
+	pthread_mutex_lock(&c->lock);
+	for (i = 0; i < n; i++) {
+		rqs[i]->next = NULL;
+		if (c->ready_tail)
+			c->ready_tail->next = rqs[i];
+		else
+			c->ready_head = rqs[i];
+		c->ready_tail = rqs[i];
+		bytes += rqs[i]->len;
+	}
+	pthread_mutex_unlock(&c->lock);
+	lanes_wake(c, (uint32_t)min_u64(c->nlanes, bytes / c->cfg.buf_size + 1));
+}
+
+/*
+ * A lane, on an RQ_ARRIVED request (no lock held): read the arguments, as
+ * the stream found them, and check them.  Returns 0 when the request is
+ * RQ_READY for cutting, 1 when it finished here (bad arguments, zero
+ * length, or an error from queueing).
+ */
+int rq_resolve(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	int64_t foff, boff;
+	int ret;
+
+	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
+		goto finish;
+	if (rq->io_args) {
+		rq->devptr = rq->io->devptr;
+		rq->len = rq->io->len;
+		rq->off = rq->io->offset;
+	} else {
+		rq->len = *rq->size_p;
+		foff = *rq->foff_p;
+		boff = *rq->boff_p;
+		if (foff < 0 || boff < 0) {
+			rq_fail(rq, cu_err(-EINVAL, "negative file or buffer offset"));
+			goto finish;
+		}
+		rq->off = (uint64_t)foff;
+		rq->devptr = rq->base + (uint64_t)boff;
+	}
+	if (!rq->len)
+		goto finish;
+	ret = cu_check_devptr(c, rq->devptr, rq->len, NULL);
+	if (ret) {
+		rq_fail(rq, ret);
+		goto finish;
+	}
+	rq->end = rq->off + rq->len;
+	rq->cursor = rq->off;
+	rq->state = RQ_READY;
+	return 0;
+finish:
+	rq->pieces = 0;
+	rq_finish(rq);
+	return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pieces                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Cut the next piece of @rq into a staging buffer of @size bytes whose
+ * first *@fill bytes are taken (c->lock held).  Reads read the aligned
+ * window around their bytes into staging, so unaligned offsets and sizes
+ * cost nothing; writes place their bytes at the file offset's position in
+ * the block (memory congruent with the file), so only a sub-block head and
+ * tail take the engine's read-modify-write path.  A piece that would be cut
+ * short by a nearly full buffer waits for an empty one instead (@first).
+ */
+bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
+	    bool first)
+{
+	uint64_t A = rq->cf->align, cur = rq->cursor, left = rq->end - cur;
+	uint64_t g = A > 4096 ? A : 4096;	/* staging position granule */
+	uint64_t pos = (*fill + g - 1) / g * g, len;
+
+	if (pos >= size)
+		return false;
+	if (rq->op == PHX_OP_READ) {
+		uint64_t w0 = align_down(cur, A), wend = align_up(rq->end, A);
+
+		len = min_u64(wend - w0, align_down(size - pos, A));
+		if (!len)
+			return false;
+		p->io_off = w0;
+		p->io_len = (uint32_t)len;
+		p->user_len = (uint32_t)(min_u64(rq->end, w0 + len) - cur);
+	} else {
+		pos += cur % A;
+		if (pos >= size)
+			return false;
+		len = min_u64(left, size - pos);
+		p->io_off = cur;
+		p->io_len = (uint32_t)len;
+		p->user_len = (uint32_t)len;
+	}
+	if (!first && p->user_len < left && len < size / 4)
+		return false;
+	p->rq = rq;
+	p->soff = (uint32_t)pos;
+	p->user_off = cur;
+	p->got = 0;
+	p->io_started = false;
+	*fill = (uint32_t)(pos + len);
+	rq->cursor = cur + p->user_len;
+	__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
+	return true;
+}
+
+void rq_fail(struct cu_req *rq, int64_t err)
+{
+	int64_t zero = 0;
+
+	__atomic_compare_exchange_n(&rq->err, &zero, err, false, __ATOMIC_ACQ_REL,
+				    __ATOMIC_ACQUIRE);
+}
+
+/*
+ * The file I/O of a piece completed: how many of the caller's bytes it
+ * delivered.  A short read is end of file as it is now; the request's
+ * result ends at the lowest such point.
+ */
+void rq_piece_io(struct cu_piece *p)
+{
+	struct cu_req *rq = p->rq;
+	int64_t res = p->pio.result;
+	uint64_t end, cur;
+
+	if (res < 0) {
+		rq_fail(rq, res);
+		p->got = 0;
+		return;
+	}
+	if (rq->op == PHX_OP_WRITE) {
+		p->got = (uint32_t)res;
+		if ((uint64_t)res < p->io_len)
+			rq_fail(rq, cu_err(-EIO, "short write at %llu",
+					   (unsigned long long)(p->io_off + (uint64_t)res)));
+		return;
+	}
+	{
+		uint64_t skip = p->user_off - p->io_off;
+
+		p->got = (uint64_t)res > skip ? (uint32_t)min_u64((uint64_t)res - skip, p->user_len) : 0;
+	}
+	if (p->got == p->user_len)
+		return;
+	end = p->user_off + p->got;
+	cur = __atomic_load_n(&rq->short_end, __ATOMIC_RELAXED);
+	while (end < cur &&
+	       !__atomic_compare_exchange_n(&rq->short_end, &cur, end, false,
+					    __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+		;
+}
+
+/* Bytes of a finished piece by path (its copy, or its write, is done). */
+static void piece_account(struct cu_req *rq, struct cu_piece *p)
+{
+	uint32_t paths = p->pio.paths;
+	uint64_t got = p->got, direct = 0, bounce = 0, buffered = 0;
+
+	if (!p->io_started || !got)
+		return;
+	if (paths & PHX_PATH_BUFFERED) {
+		buffered = got;
+	} else if (rq->op == PHX_OP_READ || paths == PHX_PATH_DIRECT) {
+		/* reads go whole blocks into staging: one path */
+		if (paths & PHX_PATH_BOUNCE)
+			bounce = got;
+		else
+			direct = got;
+	} else if (paths == PHX_PATH_BOUNCE) {
+		bounce = got;
+	} else {
+		/* a write split into bounced sub-block edges and a direct middle */
+		uint64_t s = p->io_off, e = p->io_off + got;
+		uint64_t m0 = align_up(s, 4096), m1 = align_down(e, 4096);
+
+		bounce = m1 > m0 ? (m0 - s) + (e - m1) : got;
+		direct = got - bounce;
+	}
+	__atomic_or_fetch(&rq->paths, paths, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&rq->direct_bytes, direct, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&rq->bounce_bytes, bounce, __ATOMIC_RELAXED);
+	__atomic_add_fetch(&rq->buffered_bytes, buffered, __ATOMIC_RELAXED);
+}
+
+void rq_piece_done(struct cu_piece *p)
+{
+	struct cu_req *rq = p->rq;
+
+	piece_account(rq, p);
+	if (__atomic_sub_fetch(&rq->pieces, 1, __ATOMIC_ACQ_REL) == 0)
+		rq_finish(rq);
+}
+
+/* ------------------------------------------------------------------------ */
+/* End                                                                      */
+/* ------------------------------------------------------------------------ */
+
+static void after_put(phx_cuda *c, struct cu_after *a)
+{
+	if (a && __atomic_sub_fetch(&a->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+		ev_put(c, a->ev);
+		free(a);
+	}
+}
+
+/* The last touch of @c by a request: destroy may go ahead after it. */
+static void live_dec(phx_cuda *c, struct phx_cuda_io *io)
+{
+	pthread_mutex_lock(&c->done_lock);
+	if (io)
+		__atomic_store_n(&io->done, 1, __ATOMIC_RELEASE);
+	c->live--;
+	pthread_cond_broadcast(&c->done_cond);
+	pthread_mutex_unlock(&c->done_lock);
+}
+
+static void rq_release(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	struct phx_cuda_io *io = rq->owned ? NULL : rq->io;
+
+	if (rq->owned)
+		free(rq->io);
+	if (rq->cf)
+		cf_put(c, rq->cf);
+	after_put(c, rq->after);
+	pthread_mutex_lock(&c->lock);
+	if (rq->stream_op) {
+		slot_put_locked(c, rq->slot);
+		if (rq->pass_ev)
+			linger_add_locked(c, rq->pass_ev);
+	}
+	rq->next = c->free_reqs;
+	c->free_reqs = rq;
+	pthread_mutex_unlock(&c->lock);
+	live_dec(c, io);
+}
+
+/* Publish the result, release the caller's stream, let go of everything. */
+void rq_finish(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	struct phx_cuda_io *io = rq->io;
+	int64_t res, err = __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE);
+
+	if (err)
+		res = err;
+	else if (rq->short_end < rq->end)
+		res = (int64_t)(rq->short_end - rq->off);
+	else
+		res = (int64_t)rq->len;
+	rq->state = RQ_DONE;
+	if (io) {
+		io->result = res;
+		io->paths = rq->paths;
+		io->direct_bytes = rq->direct_bytes;
+		io->bounce_bytes = rq->bounce_bytes;
+		io->buffered_bytes = rq->buffered_bytes;
+	}
+	if (rq->bytes_done)
+		*rq->bytes_done = res;
+	if (res < 0) {
+		stat_add(c, &c->st.errors, 1);
+	} else if (rq->op == PHX_OP_READ) {
+		stat_add(c, &c->st.reads, 1);
+		stat_add(c, &c->st.bytes_read, (uint64_t)res);
+	} else {
+		stat_add(c, &c->st.writes, 1);
+		stat_add(c, &c->st.bytes_written, (uint64_t)res);
+	}
+	stat_add(c, &c->st.direct_bytes, rq->direct_bytes);
+	stat_add(c, &c->st.bounce_bytes, rq->bounce_bytes);
+	stat_add(c, &c->st.buffered_bytes, rq->buffered_bytes);
+	/*
+	 * The result is in place and the file let go of (a caller may close it
+	 * as soon as its stream moves on): now the stream may pass.
+	 */
+	cf_put(c, rq->cf);
+	rq->cf = NULL;
+	if (rq->stream_op)
+		__atomic_store_n(&c->flags[rq->slot], rq->seq, __ATOMIC_RELEASE);
+	rq_release(rq);
+}
+
+/*
+ * Undo a stream op whose host function could not be queued: no flag will
+ * be waited for, and the caller gets the error from the call itself.
+ */
+void rq_abandon(struct cu_req *rq, int err)
+{
+	if (rq->io && !rq->owned)
+		rq->io->result = err;
+	rq_release(rq);	/* the slot and the pass event go back */
+}

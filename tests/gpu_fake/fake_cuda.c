@@ -1,0 +1,584 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * fake_cuda.c - a stand-in libcuda.so.1 for testing libphx's GPU path on
+ * machines without a GPU.  It is a test double, not a CUDA: "device"
+ * memory is host memory from cuMemAlloc, each stream is a thread running
+ * its operations in order, events count records, and host functions run on
+ * ONE shared callback thread while their stream waits (as CUDA does), so a
+ * host function that blocks holds up every stream's host functions.
+ *
+ * Only the driver entry points libphx uses exist, plus what the tests need
+ * (cuMemAlloc, cuMemsetD8Async) and two test hooks: fake_sleep_async()
+ * (a busy stream) and fake_hostfn_max_ns() (the longest host function).
+ * FAKE_CUDA_NO_BATCH=1 hides cuMemcpyBatchAsync; FAKE_CUDA_NO_MEMOPS=1 makes
+ * cuStreamWaitValue32 fail.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef uint64_t CUdeviceptr;
+typedef void (*CUhostFn)(void *);
+
+#define OK 0
+#define EINVALID 1
+#define ENOTREADY 600
+#define ENOTSUP 801
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- memory ---- */
+
+struct alloc {
+	uint64_t base, size;
+	struct alloc *next;
+};
+
+static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc *allocs;
+
+static struct alloc *find_alloc(uint64_t p)
+{
+	struct alloc *a;
+
+	for (a = allocs; a; a = a->next)
+		if (p >= a->base && p < a->base + a->size)
+			return a;
+	return NULL;
+}
+
+static int dev_range_ok(uint64_t p, size_t n)
+{
+	struct alloc *a;
+	int ok;
+
+	pthread_mutex_lock(&mem_lock);
+	a = find_alloc(p);
+	ok = a && p + n <= a->base + a->size;
+	pthread_mutex_unlock(&mem_lock);
+	return ok;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+	struct alloc *a = calloc(1, sizeof(*a));
+	void *m = NULL;
+
+	if (!a || posix_memalign(&m, 256, n ? n : 1))
+		return 2;
+	a->base = (uint64_t)(uintptr_t)m;
+	a->size = n;
+	pthread_mutex_lock(&mem_lock);
+	a->next = allocs;
+	allocs = a;
+	pthread_mutex_unlock(&mem_lock);
+	*p = a->base;
+	return OK;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+	struct alloc **pp, *a;
+
+	pthread_mutex_lock(&mem_lock);
+	for (pp = &allocs; *pp; pp = &(*pp)->next) {
+		if ((*pp)->base == p) {
+			a = *pp;
+			*pp = a->next;
+			pthread_mutex_unlock(&mem_lock);
+			free((void *)(uintptr_t)a->base);
+			free(a);
+			return OK;
+		}
+	}
+	pthread_mutex_unlock(&mem_lock);
+	return EINVALID;
+}
+
+CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
+{
+	int ok = dev_range_ok(p, 1);
+
+	if (!ok)
+		return EINVALID;
+	if (attr == 2)
+		*(unsigned int *)out = 2;	/* CU_MEMORYTYPE_DEVICE */
+	else if (attr == 9)
+		*(int *)out = 0;
+	return OK;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+	struct alloc *a;
+
+	pthread_mutex_lock(&mem_lock);
+	a = find_alloc(p);
+	if (a) {
+		*base = a->base;
+		*size = a->size;
+	}
+	pthread_mutex_unlock(&mem_lock);
+	return a ? OK : EINVALID;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) { return OK; }
+CUresult cuMemHostUnregister(void *p) { return OK; }
+
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned f)
+{
+	*d = (uint64_t)(uintptr_t)p;
+	return OK;
+}
+
+/* ---- the callback thread ---- */
+
+struct cb {
+	CUhostFn fn;
+	void *arg;
+	int done;
+	struct cb *next;
+};
+
+static pthread_mutex_t cb_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cb_cond = PTHREAD_COND_INITIALIZER;
+static struct cb *cb_head, *cb_tail;
+static pthread_once_t cb_once = PTHREAD_ONCE_INIT;
+static int64_t cb_max_ns;
+
+static void *cb_main(void *arg)
+{
+	for (;;) {
+		struct cb *c;
+		int64_t t0, dt;
+
+		pthread_mutex_lock(&cb_lock);
+		while (!cb_head)
+			pthread_cond_wait(&cb_cond, &cb_lock);
+		c = cb_head;
+		cb_head = c->next;
+		if (!cb_head)
+			cb_tail = NULL;
+		pthread_mutex_unlock(&cb_lock);
+		t0 = now_ns();
+		c->fn(c->arg);
+		dt = now_ns() - t0;
+		pthread_mutex_lock(&cb_lock);
+		if (dt > cb_max_ns)
+			cb_max_ns = dt;
+		c->done = 1;
+		pthread_cond_broadcast(&cb_cond);
+		pthread_mutex_unlock(&cb_lock);
+	}
+	return NULL;
+}
+
+static void cb_start(void)
+{
+	pthread_t t;
+
+	pthread_create(&t, NULL, cb_main, NULL);
+	pthread_detach(t);
+}
+
+static void cb_run(CUhostFn fn, void *arg)
+{
+	struct cb c = { fn, arg, 0, NULL };
+
+	pthread_once(&cb_once, cb_start);
+	pthread_mutex_lock(&cb_lock);
+	if (cb_tail)
+		cb_tail->next = &c;
+	else
+		cb_head = &c;
+	cb_tail = &c;
+	pthread_cond_broadcast(&cb_cond);
+	while (!c.done)
+		pthread_cond_wait(&cb_cond, &cb_lock);
+	pthread_mutex_unlock(&cb_lock);
+}
+
+int64_t fake_hostfn_max_ns(void)
+{
+	int64_t v;
+
+	pthread_mutex_lock(&cb_lock);
+	v = cb_max_ns;
+	pthread_mutex_unlock(&cb_lock);
+	return v;
+}
+
+/* ---- events ---- */
+
+struct event {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	uint64_t recorded, reached;
+};
+
+CUresult cuEventCreate(struct event **e, unsigned f)
+{
+	*e = calloc(1, sizeof(**e));
+	pthread_mutex_init(&(*e)->lock, NULL);
+	pthread_cond_init(&(*e)->cond, NULL);
+	return OK;
+}
+
+CUresult cuEventDestroy_v2(struct event *e)
+{
+	free(e);
+	return OK;
+}
+
+CUresult cuEventQuery(struct event *e)
+{
+	int r;
+
+	pthread_mutex_lock(&e->lock);
+	r = e->reached >= e->recorded ? OK : ENOTREADY;
+	pthread_mutex_unlock(&e->lock);
+	return r;
+}
+
+CUresult cuEventSynchronize(struct event *e)
+{
+	pthread_mutex_lock(&e->lock);
+	while (e->reached < e->recorded)
+		pthread_cond_wait(&e->cond, &e->lock);
+	pthread_mutex_unlock(&e->lock);
+	return OK;
+}
+
+/* ---- streams ---- */
+
+enum { OP_COPY, OP_WAITVAL, OP_HOSTFN, OP_EVREC, OP_WAITEV, OP_SLEEP, OP_MEMSET };
+
+struct op {
+	int kind;
+	void *dst;
+	const void *src;
+	size_t n;
+	volatile uint32_t *addr;
+	uint32_t value;
+	CUhostFn fn;
+	void *arg;
+	struct event *ev;
+	uint64_t seq;
+	struct op *next;
+};
+
+struct stream {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	struct op *head, *tail;
+	int busy;
+	pthread_t thr;
+};
+
+static void run_op(struct op *o)
+{
+	switch (o->kind) {
+	case OP_COPY:
+		memcpy(o->dst, o->src, o->n);
+		break;
+	case OP_MEMSET:
+		memset(o->dst, (int)o->value, o->n);
+		break;
+	case OP_WAITVAL:
+		while ((int32_t)(__atomic_load_n(o->addr, __ATOMIC_ACQUIRE) - o->value) < 0)
+			usleep(20);
+		break;
+	case OP_HOSTFN:
+		cb_run(o->fn, o->arg);
+		break;
+	case OP_EVREC:
+		pthread_mutex_lock(&o->ev->lock);
+		if (o->seq > o->ev->reached)
+			o->ev->reached = o->seq;
+		pthread_cond_broadcast(&o->ev->cond);
+		pthread_mutex_unlock(&o->ev->lock);
+		break;
+	case OP_WAITEV:
+		pthread_mutex_lock(&o->ev->lock);
+		while (o->ev->reached < o->seq)
+			pthread_cond_wait(&o->ev->cond, &o->ev->lock);
+		pthread_mutex_unlock(&o->ev->lock);
+		break;
+	case OP_SLEEP:
+		usleep((useconds_t)o->n);
+		break;
+	}
+}
+
+static void *stream_main(void *arg)
+{
+	struct stream *s = arg;
+
+	for (;;) {
+		struct op *o;
+
+		pthread_mutex_lock(&s->lock);
+		while (!s->head)
+			pthread_cond_wait(&s->cond, &s->lock);
+		o = s->head;
+		s->busy = 1;
+		pthread_mutex_unlock(&s->lock);
+		run_op(o);
+		pthread_mutex_lock(&s->lock);
+		s->head = o->next;
+		if (!s->head)
+			s->tail = NULL;
+		s->busy = 0;
+		pthread_cond_broadcast(&s->cond);
+		pthread_mutex_unlock(&s->lock);
+		free(o);
+	}
+	return NULL;
+}
+
+static struct stream *stream_new(void)
+{
+	struct stream *s = calloc(1, sizeof(*s));
+
+	pthread_mutex_init(&s->lock, NULL);
+	pthread_cond_init(&s->cond, NULL);
+	pthread_create(&s->thr, NULL, stream_main, s);
+	pthread_detach(s->thr);
+	return s;
+}
+
+static struct stream *legacy;
+static pthread_once_t legacy_once = PTHREAD_ONCE_INIT;
+
+static void legacy_make(void)
+{
+	legacy = stream_new();
+}
+
+static struct stream *S(void *h)
+{
+	if ((uintptr_t)h <= 2) {
+		pthread_once(&legacy_once, legacy_make);
+		return legacy;
+	}
+	return h;
+}
+
+static void push(void *h, struct op *o)
+{
+	struct stream *s = S(h);
+
+	o->next = NULL;
+	pthread_mutex_lock(&s->lock);
+	if (s->tail)
+		s->tail->next = o;
+	else
+		s->head = o;
+	s->tail = o;
+	pthread_cond_broadcast(&s->cond);
+	pthread_mutex_unlock(&s->lock);
+}
+
+static struct op *op_new(int kind)
+{
+	struct op *o = calloc(1, sizeof(*o));
+
+	o->kind = kind;
+	return o;
+}
+
+CUresult cuStreamCreate(struct stream **s, unsigned f)
+{
+	*s = stream_new();
+	return OK;
+}
+
+CUresult cuStreamDestroy_v2(struct stream *s) { return OK; /* threads linger: a test double */ }
+
+CUresult cuStreamSynchronize(void *h)
+{
+	struct stream *s = S(h);
+
+	pthread_mutex_lock(&s->lock);
+	while (s->head)
+		pthread_cond_wait(&s->cond, &s->lock);
+	pthread_mutex_unlock(&s->lock);
+	return OK;
+}
+
+CUresult cuStreamQuery(void *h)
+{
+	struct stream *s = S(h);
+	int r;
+
+	pthread_mutex_lock(&s->lock);
+	r = s->head ? ENOTREADY : OK;
+	pthread_mutex_unlock(&s->lock);
+	return r;
+}
+
+CUresult cuEventRecord(struct event *e, void *h)
+{
+	struct op *o = op_new(OP_EVREC);
+
+	pthread_mutex_lock(&e->lock);
+	o->seq = ++e->recorded;
+	pthread_mutex_unlock(&e->lock);
+	o->ev = e;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuStreamWaitEvent(void *h, struct event *e, unsigned f)
+{
+	struct op *o = op_new(OP_WAITEV);
+
+	pthread_mutex_lock(&e->lock);
+	o->seq = e->recorded;
+	pthread_mutex_unlock(&e->lock);
+	o->ev = e;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned f)
+{
+	struct op *o;
+
+	if (getenv("FAKE_CUDA_NO_MEMOPS"))
+		return ENOTSUP;
+	o = op_new(OP_WAITVAL);
+	o->addr = (volatile uint32_t *)(uintptr_t)addr;
+	o->value = v;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuLaunchHostFunc(void *h, CUhostFn fn, void *arg)
+{
+	struct op *o = op_new(OP_HOSTFN);
+
+	o->fn = fn;
+	o->arg = arg;
+	push(h, o);
+	return OK;
+}
+
+static CUresult copy(void *h, void *dst, const void *src, size_t n)
+{
+	struct op *o = op_new(OP_COPY);
+
+	o->dst = dst;
+	o->src = src;
+	o->n = n;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
+{
+	if (!dev_range_ok(d, n))
+		return EINVALID;
+	return copy(h, (void *)(uintptr_t)d, src, n);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr s, size_t n, void *h)
+{
+	if (!dev_range_ok(s, n))
+		return EINVALID;
+	return copy(h, dst, (const void *)(uintptr_t)s, n);
+}
+
+static long batch_calls;
+
+CUresult fake_MemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+			       size_t count, void *attrs, size_t *idx, size_t nattrs,
+			       size_t *fail, void *h)
+{
+	size_t i;
+
+	if ((uintptr_t)h <= 2 || !nattrs || !attrs)
+		return EINVALID;	/* as CUDA: no legacy stream */
+	for (i = 0; i < count; i++) {
+		if (!dev_range_ok(dsts[i], sizes[i]) && !dev_range_ok(srcs[i], sizes[i])) {
+			*fail = i;
+			return EINVALID;
+		}
+	}
+	for (i = 0; i < count; i++)
+		copy(h, (void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
+	__atomic_add_fetch(&batch_calls, 1, __ATOMIC_RELAXED);
+	return OK;
+}
+
+long fake_batch_calls(void)
+{
+	return __atomic_load_n(&batch_calls, __ATOMIC_RELAXED);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, void *h)
+{
+	struct op *o;
+
+	if (!dev_range_ok(d, n))
+		return EINVALID;
+	o = op_new(OP_MEMSET);
+	o->dst = (void *)(uintptr_t)d;
+	o->value = v;
+	o->n = n;
+	push(h, o);
+	return OK;
+}
+
+/* Test hook: keep @h busy for @us microseconds (a long kernel). */
+CUresult fake_sleep_async(void *h, unsigned long us)
+{
+	struct op *o = op_new(OP_SLEEP);
+
+	o->n = us;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, uint64_t flags, int *st)
+{
+	if (!strcmp(sym, "cuMemcpyBatchAsync") && !getenv("FAKE_CUDA_NO_BATCH")) {
+		*pfn = (void *)fake_MemcpyBatchAsync;
+		return OK;
+	}
+	*pfn = NULL;
+	return 500;
+}
+
+/* ---- the rest ---- */
+
+CUresult cuInit(unsigned f) { return OK; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
+CUresult cuDeviceGet(int *d, int o) { *d = o; return o == 0 ? OK : EINVALID; }
+static int the_ctx;
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { *c = &the_ctx; return OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(int d) { return OK; }
+CUresult cuCtxSetCurrent(void *c) { return OK; }
+CUresult cuCtxPushCurrent_v2(void *c) { return OK; }
+CUresult cuCtxPopCurrent_v2(void **c) { if (c) *c = &the_ctx; return OK; }
+
+CUresult cuGetErrorString(CUresult r, const char **s)
+{
+	*s = r == EINVALID ? "invalid argument (fake)" : "fake CUDA error";
+	return OK;
+}
