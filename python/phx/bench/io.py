@@ -99,9 +99,10 @@ DEFAULT_RUNTIME = 5.0
 DEFAULT_REPEATS = 5
 QUICK_RUNTIME = 0.5
 QUICK_REPEATS = 3
-#: Seconds a run costs beyond --runtime (process start, engine setup), for
-#: the estimate printed at the start; measured on the 2-core development box.
-RUN_OVERHEAD_S = {"fio": 0.3, "phx": 0.05, "preadv": 0.05}
+#: Seconds a run costs beyond --runtime (process start, engine setup, the
+#: page-cache drop per row), for the estimate printed at the start; measured
+#: on the 2-core development box (0.24 s per run on average).
+RUN_OVERHEAD_S = {"fio": 0.35, "phx": 0.15, "preadv": 0.15}
 TEST_FILE_WRITE_GBPS = 0.5  # for the same estimate
 
 
@@ -173,9 +174,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``phx bench io``."""
     p.description = (
         f"Default rows: {_default_rows_text()}; {DEFAULT_REPEATS} repeats x "
-        f"{DEFAULT_RUNTIME:g} s per engine per row, three engines: about 13-14 minutes "
-        f"per row set on the 2-core development box (1 GiB file), twice that with --zram. "
-        f"--quick: {QUICK_REPEATS} x {QUICK_RUNTIME:g} s (about 1.5 minutes per row set).")
+        f"{DEFAULT_RUNTIME:g} s per engine per row, three engines: about 13 minutes per "
+        f"row set on the 2-core development box (1 GiB file), 26 with --zram. --quick: "
+        f"{QUICK_REPEATS} x {QUICK_RUNTIME:g} s (about 1 minute per row set). The time is "
+        f"printed at the start.")
     p.add_argument("--path", default=None,
                    help="directory to hold the test file (removed afterwards), or the name of a "
                         "new file to create and keep; any filesystem that takes O_DIRECT "
@@ -752,6 +754,7 @@ def _kib(v: float | None) -> str:
 
 
 def print_table(results: list[dict[str, Any]], file=None) -> None:
+    """The results as a text table, one line per row and engine."""
     file = file or sys.stdout
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -771,6 +774,7 @@ def print_table(results: list[dict[str, Any]], file=None) -> None:
 
 
 def print_checks(checks: list[dict[str, Any]], file=None) -> None:
+    """The acceptance checks: what was measured, the verdict, spreads and noise."""
     file = file or sys.stdout
     print("\nacceptance (issue 9, medians of this run; phx vs fio at its strongest):", file=file)
     for c in checks:
