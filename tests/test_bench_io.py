@@ -499,6 +499,16 @@ def test_acceptance_checks_fail_and_noise(capsys):
     assert out.count("[FAIL]") == 4 and "inside the noise" in out and "ratio 0.917" in out
 
 
+def test_acceptance_noise_needs_three_repeats(capsys):
+    res = [_rec("disk", "randread", 4 * KiB, 32, "fio", [0.30, 0.30]),
+           _rec("disk", "randread", 4 * KiB, 32, "phx", [0.27, 0.33])]
+    (c,) = [c for c in bio.acceptance_checks(res) if c["op"] == "randread" and
+            c["target"] == "disk"]
+    assert c["status"] == "PASS" and c["inside_noise"] is None
+    bio.print_checks([c])
+    assert "too few to tell the noise" in capsys.readouterr().out
+
+
 def test_acceptance_checks_not_measured():
     res = [r for r in _synthetic([1.3] * 3, [1.0] * 3, [1.3] * 3) if r["target"] == "disk"
            and r["op"] != "write"]

@@ -110,6 +110,10 @@ TEST_FILE_WRITE_GBPS = 0.5  # for the same estimate
 # Acceptance checks (issue 9)
 # ---------------------------------------------------------------------------
 
+#: Repeats needed before the spread of the paired ratios says anything.
+MIN_PAIRS_FOR_NOISE = 3
+
+
 @dataclass(frozen=True)
 class CheckSpec:
     """One acceptance check: phx's median over fio's median on one row."""
@@ -728,7 +732,8 @@ def evaluate_check(spec: CheckSpec, results: list[dict[str, Any]],
     paired = ([a / b for a, b in zip(phx[runs], fio[runs])]
               if len(phx[runs]) == len(fio[runs]) else [])
     lo, hi = (min(paired), max(paired)) if paired else (None, None)
-    noise = bool(paired) and lo < spec.threshold <= hi
+    # With fewer than 3 pairs a range says little about the noise: unknown.
+    noise = (lo < spec.threshold <= hi) if len(paired) >= MIN_PAIRS_FOR_NOISE else None
     every_qd = {}
     for r in fio_rows:
         p = _find(rows, spec.op, spec.bs, r["qd"], "phx", spec.target)
@@ -782,8 +787,9 @@ def print_checks(checks: list[dict[str, Any]], file=None) -> None:
             print(f"  [{c['status']}] {c['check']}: {c.get('why', 'no phx figure')}", file=file)
             continue
         fmtv = ".3f" if c["unit"] == "GB/s" else ",.0f"
-        if c["paired_min"] is None:
-            noise = "; repeats not paired, noise unknown"
+        if c["inside_noise"] is None:
+            noise = (f"; {len(c['paired_ratios'])} paired repeat(s): too few to tell the noise"
+                     if c["paired_ratios"] else "; repeats not paired, noise unknown")
         elif c["inside_noise"]:
             noise = (f"; repeat by repeat phx/fio {c['paired_min']:.3f}-{c['paired_max']:.3f}, "
                      f"both sides of {c['threshold']:g}: inside the noise")
