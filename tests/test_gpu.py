@@ -260,10 +260,10 @@ def _sleep(ms: float):
     torch.cuda._sleep(int(ms * 2e6))  # ~2 GHz cycles
 
 
-@pytest.mark.parametrize("gate", ["memops", "hostfn"])
-def test_stream_read_then_kernel(big_file, gate):
+@pytest.mark.parametrize("copy", ["batch", "single"])
+def test_stream_read_then_kernel(big_file, copy):
     path, data = big_file
-    ctx = phx.gpu.context(_new=True, hostfn_gate=(gate == "hostfn"))
+    ctx = phx.gpu.context(_new=True, batch_copy=(copy == "batch"))
     n = 64 * MiB + 3
     s = torch.cuda.Stream()
     x = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -281,13 +281,13 @@ def test_stream_read_then_kernel(big_file, gate):
     want = data[4101:4101 + n]
     assert_same(host(y), want, "kernel after the read")
     assert int(z.item()) == int(want.astype(np.int64).sum())
-    assert ctx.config["memops"] == (gate == "memops")
+    assert ctx.config["memops"]
     ctx.close()
 
 
-@pytest.mark.parametrize("gate", ["memops", "hostfn"])
-def test_stream_kernel_then_write(data_dir, rng, gate):
-    ctx = phx.gpu.context(_new=True, hostfn_gate=(gate == "hostfn"))
+@pytest.mark.parametrize("copy", ["batch", "single"])
+def test_stream_kernel_then_write(data_dir, rng, copy):
+    ctx = phx.gpu.context(_new=True, batch_copy=(copy == "batch"))
     n = 48 * MiB + 77
     path, _ = make(data_dir, rng, n + 8192)
     src = torch.from_numpy(rand(rng, n)).cuda()
@@ -404,3 +404,286 @@ def test_paths_and_counters(data_dir, rng):
         assert fu.result() == 4 * MiB
         assert fu.by_path()["page_cache"] == 4 * MiB
     assert phx.gpu.engine_stats(eng)["gpu_buffered_bytes"] == 4 * MiB
+
+
+
+# ---------------------------------------------------------------------------
+# v2: cuFile semantics (deferred arguments, EOF at arrival), files held,
+# destroy with queued work, batches
+# ---------------------------------------------------------------------------
+
+def _args(size, foff, boff):
+    """The four int64 a deferred stream op reads: size, file off, buf off, bytes_done."""
+    return np.array([size, foff, boff, -999], dtype=np.int64)
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_stream_deferred_arguments(data_dir, rng, write):
+    """Size and offsets are read when the stream reaches the op (cuFile)."""
+    ctx = phx.gpu.context(_new=True)
+    n = 6 * MiB + 5
+    path, data = make(data_dir, rng, n + 12345)
+    buf = gpu_poison(n + 100) if not write else torch.from_numpy(rand(rng, n + 100)).cuda()
+    src = host(buf) if write else None
+    s = torch.cuda.Stream()
+    args = _args(7, 0, 0)
+    with phx.open(path, "r+") as f:
+        with torch.cuda.stream(s):
+            _sleep(80)
+            ctx.stream_deferred(f._c_file, buf.data_ptr(), args.ctypes.data, write,
+                                s.cuda_stream)
+        args[:3] = [n - 3, 4097, 33]          # changed after queueing
+        s.synchronize()
+        assert args[3] == n - 3, f"bytes_done {args[3]}: arguments taken at call time"
+    if write:
+        want = data.copy()
+        want[4097:4097 + n - 3] = src[33:33 + n - 3]
+        assert_same(file_bytes(path), want, "deferred write (and the bytes around it)")
+    else:
+        got = host(buf)
+        assert_same(got[33:33 + n - 3], data[4097:4097 + n - 3], "deferred read")
+        assert (got[:33] == 0xA5).all() and (got[33 + n - 3:] == 0xA5).all()
+    ctx.close()
+
+
+def test_stream_write_extends_then_read_same_stream(data_dir, rng):
+    """A read queued after a file-extending write on one stream sees all of it:
+    end of file is judged when the stream gets there."""
+    path, old = make(data_dir, rng, 100000)
+    n = 9 * MiB + 7
+    a = torch.from_numpy(rand(rng, n)).cuda()
+    b = gpu_poison(n + 1)
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with phx.open(path, "r+") as f:
+        with torch.cuda.stream(s):
+            _sleep(30)
+            w = phx.gpu.write_async(a, f, 100011)
+            r = phx.gpu.read_async(b[:n], f, 100011)
+            c = b.clone()
+        s.synchronize()
+        assert w.bytes_done == n and r.bytes_done == n, (w.bytes_done, r.bytes_done)
+        w.result(), r.result()
+    got = host(c)
+    assert_same(got[:n], host(a), "read after the extending write")
+    assert got[n] == 0xA5
+    assert os.path.getsize(path) == 100011 + n
+    assert_same(file_bytes(path, 0, 100000), old)
+
+
+def test_stream_read_eof_judged_at_arrival(data_dir, rng):
+    """A file shrunk while the read waits on its stream: a short count, and no
+    GPU byte past the new end of file is written."""
+    ctx = phx.gpu.context(_new=True)
+    path, data = make(data_dir, rng, 8 * MiB)
+    t = gpu_poison(8 * MiB)
+    s = torch.cuda.Stream()
+    args = _args(8 * MiB - 1, 1, 0)
+    with phx.open(path, "r") as f:
+        with torch.cuda.stream(s):
+            _sleep(80)
+            ctx.stream_deferred(f._c_file, t.data_ptr(), args.ctypes.data, False, s.cuda_stream)
+        os.truncate(path, 3 * MiB + 11)
+        s.synchronize()
+        assert args[3] == 3 * MiB + 10, args[3]
+    got = host(t)
+    assert_same(got[:3 * MiB + 10], data[1:3 * MiB + 11])
+    assert (got[3 * MiB + 10:] == 0xA5).all(), "GPU bytes past the new EOF were written"
+    ctx.close()
+
+
+def test_close_fails_busy_while_stream_io_queued(data_dir, rng):
+    ctx = phx.gpu.context(_new=True)
+    path, data = make(data_dir, rng, MiB)
+    t = gpu_poison(MiB)
+    s = torch.cuda.Stream()
+    args = _args(MiB, 0, 0)
+    f = phx.open(path, "r")
+    with torch.cuda.stream(s):
+        _sleep(100)
+        ctx.stream_deferred(f._c_file, t.data_ptr(), args.ctypes.data, False, s.cuda_stream)
+    with pytest.raises(OSError) as ei:
+        f.close()
+    assert ei.value.errno == 16, ei.value        # EBUSY
+    s.synchronize()
+    assert args[3] == MiB
+    f.close()                                     # passes once the stream did
+    assert_same(host(t), data)
+    ctx.close()
+
+
+def test_destroy_waits_for_stream_ops_not_yet_reached(data_dir, rng):
+    ctx = phx.gpu.context(_new=True, lanes=2, bufs_per_lane=2, buf_size=256 * KiB)
+    path, data = make(data_dir, rng, 3 * MiB)
+    t = gpu_poison(3 * MiB)
+    s = torch.cuda.Stream()
+    args = _args(3 * MiB - 5, 5, 0)
+    with phx.open(path, "r") as f:
+        with torch.cuda.stream(s):
+            _sleep(150)
+            ctx.stream_deferred(f._c_file, t.data_ptr(), args.ctypes.data, False, s.cuda_stream)
+            after = t.clone()                     # queued behind the op
+        ctx.close()                               # must wait for it, not unmap under it
+        assert args[3] == 3 * MiB - 5
+        s.synchronize()
+    assert_same(host(after)[:3 * MiB - 5], data[5:])
+
+
+def test_stream_op_bad_buffer_offset_reports_in_bytes_done(data_dir, rng):
+    ctx = phx.gpu.context(_new=True)
+    path, _ = make(data_dir, rng, MiB)
+    t = gpu_poison(64 * KiB)
+    s = torch.cuda.Stream()
+    args = _args(4096, 0, 1 << 40)
+    with phx.open(path, "r") as f:
+        ctx.stream_deferred(f._c_file, t.data_ptr(), args.ctypes.data, False, s.cuda_stream)
+        s.synchronize()
+    assert args[3] < 0, args[3]
+    ctx.close()
+
+
+def test_no_memops_refuses_stream_ops(data_dir, rng):
+    ctx = phx.gpu.context(_new=True, memops=False)
+    path, data = make(data_dir, rng, 10000)
+    t = gpu_poison(10000)
+    with phx.open(path, "r") as f:
+        with pytest.raises(OSError) as ei:
+            ctx.submit_stream(f._c_file, t.data_ptr(), 100, 0, False, 0)
+        assert ei.value.errno == 95                   # ENOTSUP
+        assert ctx.pread(f._c_file, t.data_ptr(), 10000, 0) == 10000
+    assert_same(host(t), data)
+    ctx.close()
+
+
+def _random_chunks(rng, n, fsize, max_len, align=False):
+    sizes = rng.integers(1, max_len, n)
+    foffs = rng.integers(0, fsize - max_len, n)
+    if align:
+        foffs -= foffs % 4096
+    gaps = rng.integers(0, 7, n)
+    boffs = np.cumsum(np.concatenate([[int(rng.integers(1, 200))], (sizes + gaps)[:-1]]))
+    return foffs, boffs, sizes
+
+
+@pytest.mark.parametrize("copy", ["batch", "single"])
+def test_read_chunks_random_unaligned_many_threads(big_file, copy):
+    """N random pieces of the file into N unaligned places of GPU buffers, from
+    several threads at once; every byte checked, and few copy calls."""
+    path, data = big_file
+    eng = phx.Engine()
+    phx.gpu.context(eng, 0, batch_copy=(copy == "batch"))
+    errors, checks = [], []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            foffs, boffs, sizes = _random_chunks(rng, 700, GiB, 300 * KiB)
+            t = gpu_poison(int(boffs[-1] + sizes[-1]) + 64)
+            with phx.open(path, "r", engine=eng) as f:
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    res = phx.gpu.read_chunks(f, t, foffs, boffs, sizes)
+            assert res == [int(x) for x in sizes]
+            checks.append((host(t), foffs, boffs, sizes))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    th = [threading.Thread(target=work, args=(int.from_bytes(os.urandom(4), "little"),))
+          for _ in range(4)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    assert not errors, errors
+    for got, foffs, boffs, sizes in checks:
+        for fo, bo, sz in zip(foffs, boffs, sizes):
+            fo, bo, sz = int(fo), int(bo), int(sz)
+            if not np.array_equal(got[bo:bo + sz], data[fo:fo + sz]):
+                raise AssertionError(f"chunk {sz} at file {fo} -> buf {bo} differs")
+    st = phx.gpu.stats(eng)
+    assert st["reads"] == 2800
+    assert st["memcpy_calls"] <= st["chunks"], st
+    if copy == "batch":
+        assert st["memcpy_batch_calls"] > 0 and st["memcpy_calls"] < 2800 // 4, st
+    else:
+        assert st["memcpy_batch_calls"] == 0
+    assert st["file_adoptions"] <= 4 * 16, st
+    eng.close()
+
+
+def test_write_chunks_random_then_file_compared(data_dir, rng):
+    fsize = 64 * MiB + 3
+    path, want = make(data_dir, rng, fsize)
+    n = 900
+    sizes = rng.integers(1, 100 * KiB, n)
+    # disjoint file ranges, unaligned, in random order
+    starts = np.cumsum(np.concatenate([[5], (sizes + rng.integers(0, 9000, n))[:-1]]))
+    assert starts[-1] + sizes[-1] < fsize
+    order = rng.permutation(n)
+    foffs, sizes = starts[order], sizes[order]
+    boffs = np.cumsum(np.concatenate([[3], (sizes + 1)[:-1]]))
+    src = torch.from_numpy(rand(rng, int(boffs[-1] + sizes[-1]) + 8)).cuda()
+    hs = host(src)
+    with phx.open(path, "r+") as f:
+        res = phx.gpu.write_chunks(f, src, foffs, boffs, sizes)
+    assert res == [int(x) for x in sizes]
+    for fo, bo, sz in zip(foffs, boffs, sizes):
+        want[int(fo):int(fo) + int(sz)] = hs[int(bo):int(bo) + int(sz)]
+    assert_same(file_bytes(path), want, "file after write_chunks")
+
+
+def test_pread_batch_one_submission(big_file):
+    path, data = big_file
+    ts = [gpu_poison(64 * KiB + i) for i in range(50)]
+    with phx.open(path, "r") as f:
+        res = phx.gpu.pread_batch(f, [(t, 4096 * i + i) for i, t in enumerate(ts)])
+    assert res == [t.numel() for t in ts]
+    for i, t in enumerate(ts):
+        assert_same(host(t), data[4096 * i + i:4096 * i + i + t.numel()])
+
+
+def test_two_handles_and_gpu_write_disjoint_bytes_of_same_blocks(data_dir, rng):
+    """Issue 9: host phx handles on their own engines and phx.gpu writing
+    disjoint, unaligned byte ranges inside the same 4 KiB blocks at the same
+    time; the file must hold every writer's bytes."""
+    nblocks = 256
+    path, want = make(data_dir, rng, nblocks * 4096 + 100)
+    # each block is cut into three ranges: host handle A, host handle B, GPU
+    cuts = np.sort(rng.integers(1, 4095, (nblocks, 2)), axis=1)
+    cuts[:, 1] = np.maximum(cuts[:, 1], cuts[:, 0] + 1)
+    payload = rand(rng, nblocks * 4096)
+    g = torch.from_numpy(payload).cuda()
+    engines = [phx.Engine(), phx.Engine()]
+    errors = []
+
+    def host_writer(k):
+        try:
+            with phx.open(path, "r+", engine=engines[k]) as f:
+                for b in range(nblocks):
+                    lo = b * 4096 + (0 if k == 0 else int(cuts[b, 0]))
+                    hi = b * 4096 + int(cuts[b, 0] if k == 0 else cuts[b, 1])
+                    assert f.pwrite(payload[lo:hi], lo) == hi - lo
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    def gpu_writer():
+        try:
+            with phx.open(path, "r+") as f:
+                lo = np.array([b * 4096 + int(cuts[b, 1]) for b in range(nblocks)])
+                sz = np.full(nblocks, 4096) - cuts[:, 1]
+                assert phx.gpu.write_chunks(f, g, lo, lo, sz) == [int(x) for x in sz]
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    th = [threading.Thread(target=host_writer, args=(0,)),
+          threading.Thread(target=host_writer, args=(1,)),
+          threading.Thread(target=gpu_writer)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    assert not errors, errors
+    want[:nblocks * 4096] = payload
+    assert_same(file_bytes(path), want, "disjoint writers in shared blocks")
+    for e in engines:
+        e.close()

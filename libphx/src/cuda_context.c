@@ -9,6 +9,7 @@
  * phx_cuda_stats.pinned_bytes reports.
  */
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -178,8 +179,9 @@ void slot_put_locked(phx_cuda *c, uint32_t slot)
  */
 void linger_add_locked(phx_cuda *c, CUevent ev)
 {
+	/* no memory to remember it: then the flag page simply stays mapped */
 	if (!vec_push(&c->linger, &c->nlinger, &c->linger_cap, ev))
-		c->d->EventSynchronize(ev);	/* no memory: settle it now */
+		c->flags_pinned_forever = true;
 }
 
 static void linger_reap(phx_cuda *c)
@@ -270,6 +272,48 @@ static int flags_setup(phx_cuda *c)
 	return 0;
 }
 
+/*
+ * Does cuMemcpyBatchAsync do what this file declares it to?  Two small
+ * copies into device memory through it, read back with plain copies: a
+ * driver that answers with another signature, or refuses, leaves the
+ * context on one copy call per piece.
+ */
+static bool batch_copy_works(phx_cuda *c)
+{
+	const struct cu_driver *d = c->d;
+	struct cu_memcpy_attr attr;
+	CUdeviceptr dev = 0, dsts[2], srcs[2];
+	size_t sizes[2] = { 8, 8 }, idx = 0, fail = SIZE_MAX;
+	unsigned char *h = (unsigned char *)(c->flags + PROBE_SLOT + 1);
+	CUstream s = NULL;
+	bool ok = false;
+	int i;
+
+	if (!d->MemcpyBatchAsync || d->MemAlloc(&dev, 16) != CUDA_SUCCESS)
+		return false;
+	if (d->StreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+		goto out;
+	for (i = 0; i < 32; i++)
+		h[i] = (unsigned char)(0x5a ^ (i * 37));
+	dsts[0] = dev + 8;
+	dsts[1] = dev;
+	srcs[0] = (CUdeviceptr)(uintptr_t)h;
+	srcs[1] = (CUdeviceptr)(uintptr_t)(h + 8);
+	memset(&attr, 0, sizeof(attr));
+	attr.src_access_order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+	if (d->MemcpyBatchAsync(dsts, srcs, sizes, 2, &attr, &idx, 1, &fail, s) != CUDA_SUCCESS)
+		goto out;
+	if (d->MemcpyDtoHAsync(h + 16, dev, 16, s) != CUDA_SUCCESS ||
+	    d->StreamSynchronize(s) != CUDA_SUCCESS)
+		goto out;
+	ok = !memcmp(h + 16, h + 8, 8) && !memcmp(h + 24, h, 8);
+out:
+	if (s)
+		d->StreamDestroy(s);
+	d->MemFree(dev);
+	return ok;
+}
+
 static int ctx_setup(phx_cuda *c)
 {
 	uint32_t i;
@@ -279,7 +323,7 @@ static int ctx_setup(phx_cuda *c)
 	if (ret)
 		return ret;
 	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c);
-	c->batch_copy = c->d->MemcpyBatchAsync && !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY);
+	c->batch_copy = !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY) && batch_copy_works(c);
 	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);
 	c->nlanes = c->cfg.lanes;
 	c->lanes = calloc(c->nlanes, sizeof(*c->lanes));
@@ -421,11 +465,11 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 			lane_free(c, &c->lanes[i]);
 		while (c->nev_free)
 			c->d->EventDestroy(c->ev_free[--c->nev_free]);
-		if (c->flags_registered)
+		if (c->flags_registered && !c->flags_pinned_forever)
 			c->d->MemHostUnregister(c->flags);
 		ctx_pop(c);
 	}
-	if (c->flags)
+	if (c->flags && !c->flags_pinned_forever)
 		munmap(c->flags, FLAGS_BYTES);
 	while ((rq = c->free_reqs)) {
 		c->free_reqs = rq->next;

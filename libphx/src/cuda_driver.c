@@ -139,6 +139,8 @@ static void drv_load(void)
 	SYM(MemHostUnregister, "cuMemHostUnregister");
 	SYM(MemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2");
 	SYM(MemGetAddressRange, "cuMemGetAddressRange_v2");
+	SYM(MemAlloc, "cuMemAlloc_v2");
+	SYM(MemFree, "cuMemFree_v2");
 	SYM(LaunchHostFunc, "cuLaunchHostFunc");
 	SYM(GetErrorString, "cuGetErrorString");
 	SYM(PointerGetAttribute, "cuPointerGetAttribute");

@@ -106,6 +106,8 @@ struct cu_driver {
 	CUresult (*MemHostUnregister)(void *);
 	CUresult (*MemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned);
 	CUresult (*MemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+	CUresult (*MemFree)(CUdeviceptr);
 	CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *);
 	CUresult (*GetErrorString)(CUresult, const char **);
 	CUresult (*PointerGetAttribute)(void *, int, CUdeviceptr);
@@ -301,6 +303,7 @@ struct phx_cuda {
 	size_t nev_free, ev_cap;
 
 	uint32_t *flags;		/* CU_SLOTS words, device-mapped */
+	bool flags_pinned_forever;	/* a pass event was lost: never unmap */
 	CUdeviceptr flags_d;
 	bool flags_registered;
 

@@ -21,7 +21,8 @@ cdef extern from "phx_cuda.h" nogil:
         PHX_CUDA_FEAT_MEMOPS
         PHX_CUDA_FEAT_BATCH_COPY
         PHX_CUDA_FEAT_FIXED_BUFS
-        PHX_CUDA_MAX_PINNED
+
+    const unsigned int PHX_CUDA_MAX_PINNED
 
     struct phx_cuda_config:
         uint32_t size

@@ -1,69 +1,69 @@
-"""``phx bench gpu``: file <-> GPU GB/s, phx against the ways people do it now.
+"""``phx bench gpu``: file <-> GPU GB/s and CPU cost, phx against the ways
+people do it now, for two patterns.
 
-Rows, each on the same file in one run, page cache dropped before each:
+* ``--pattern seq``     one file of ``--size`` <-> one GPU buffer.
+* ``--pattern chunks``  KV-cache traffic: N random, block-aligned, distinct
+  blocks of the file <-> N distinct places of one GPU buffer, for each
+  ``--chunk-sizes`` (64K, 256K, 2M, 16M); ``--chunk-bytes`` moved per row.
 
-* ``phx``          phx.gpu: O_DIRECT into pinned, io_uring-registered staging,
-                   pipelined with cuMemcpyHtoDAsync (writes mirrored).
-* ``raw-odirect``  O_DIRECT pread/pwrite into host memory, no GPU, N threads
-                   each on its own stripe in 4 MiB requests: the device limit.
-* ``naive``        the staging code of the LMCache/Phoenix post: buffered
-                   ``pread`` into malloc'd (pageable) memory, then a copy to
-                   the GPU, request after request (64 MiB each); writes: copy
-                   out, buffered ``pwrite``, fsync.
-* ``kvikio``       KvikIO ``CuFile.pread/pwrite`` in compatibility mode
-                   (POSIX I/O + bounce buffers), N threads.
+Methods, each on the same files in one run, page cache dropped before every
+row, rows interleaved, ``--repeat`` times (median and spread reported):
 
-Reads are the headline; writes include an fsync for every method.  Each row
-is repeated (``--repeat``) and the median reported with its spread.  Without
-a GPU the command says so and exits 0.
+* ``phx``          phx.gpu with the defaults a context gets (tuned, if
+                   ``phx tune`` ran): seq = one ``pread``; chunks = one
+                   ``read_chunks`` batch.
+* ``raw-odirect``  O_DIRECT ``preadv``/``pwrite`` into host memory, no GPU,
+                   N threads, the same pattern: what the device gives.
+* ``naive``        buffered ``pread`` into pageable memory, then a copy to the
+                   GPU, one request after the other (64 MiB requests for seq;
+                   at most 128 MiB of chunks per row).
+* ``kvikio``       KvikIO ``CuFile.pread/pwrite`` in compatibility mode, a
+                   thread sweep (``--kvikio-threads``); for chunks one future
+                   per block.
+
+Writes end with an fsync for every method.  CPU cost: user + system seconds
+of the process and its children (getrusage) per GB moved.  Without a GPU the
+command says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import mmap
 import os
+import resource
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, Callable
 
-from phx.bench._common import (drop_caches, fmt_table, median_spread, progress,
-                               write_json)
+from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size,
+                               progress, write_json)
 
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def _size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": MiB, "G": GiB}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(s)
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+NAIVE_CAP = 128 * MiB
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pattern", default="seq,chunks", help="seq, chunks or both (default)")
     p.add_argument("--dir", action="append", default=None,
-                   help="directory to put the test file in (repeatable); default: "
+                   help="directory for the test files (repeatable); default: "
                         "$PHX_BENCH_DIR or the current directory")
     p.add_argument("--zram", metavar="SIZE", default=None,
                    help="also build a zram block device of SIZE with ext4 (root) and "
-                        "run there: the RAM-speed row where software decides")
+                        "run there: the RAM-speed rows where software decides")
     p.add_argument("--size", default="4G", help="file size (default 4G)")
+    p.add_argument("--chunk-sizes", default="64K,256K,2M,16M", help="chunk pattern sizes")
+    p.add_argument("--chunk-bytes", default="1G", help="bytes moved per chunks row (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="repeats per row (default 3)")
     p.add_argument("--methods", default="phx,raw,naive,kvikio",
                    help="comma list of phx,raw,naive,kvikio (default all)")
     p.add_argument("--ops", default="read,write", help="read,write (default both)")
-    p.add_argument("--raw-threads", default="4,16,32",
-                   help="thread counts for raw O_DIRECT (best is the device limit)")
-    p.add_argument("--kvikio-threads", default="16,64", help="KvikIO thread counts")
-    p.add_argument("--lanes", type=int, default=None, help="phx staging lanes")
+    p.add_argument("--raw-threads", default="16,64", help="thread counts for raw O_DIRECT")
+    p.add_argument("--kvikio-threads", default="4,16,64", help="KvikIO thread counts (sweep)")
+    p.add_argument("--lanes", type=int, default=None, help="phx staging lanes (else defaults)")
     p.add_argument("--bufs", type=int, default=None, help="phx staging buffers per lane")
     p.add_argument("--buf-size", default=None, help="phx staging buffer size")
-    p.add_argument("--sweep", default=None,
-                   help="instead of the comparison, time phx reads for configs "
-                        "'L:B:S[:M];...' (lanes:bufs:size[:max_io])")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -74,25 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------
 
 def _zram_up(size: str) -> tuple[str, str]:
-    dev = "/dev/zram0"
-    if not os.path.exists(dev):
+    if not os.path.exists("/sys/class/zram-control/hot_add") and not os.path.exists("/dev/zram0"):
         subprocess.run(["modprobe", "zram"], capture_output=True)
-    if os.path.exists("/sys/class/zram-control/hot_add"):
-        try:
-            with open("/sys/block/zram0/disksize") as f:
-                busy = f.read().strip() != "0"
-        except OSError:
-            busy = True
-        if busy:
-            with open("/sys/class/zram-control/hot_add") as f:
-                dev = "/dev/zram" + f.read().strip()
-    name = os.path.basename(dev)
+    with open("/sys/class/zram-control/hot_add") as f:
+        name = "zram" + f.read().strip()
     with open(f"/sys/block/{name}/disksize", "w") as f:
         f.write(size)
-    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", f"/dev/{name}"], check=True)
     mnt = f"/mnt/phx-bench-{name}"
     os.makedirs(mnt, exist_ok=True)
-    subprocess.run(["mount", dev, mnt], check=True)
+    subprocess.run(["mount", f"/dev/{name}", mnt], check=True)
     return mnt, name
 
 
@@ -105,21 +96,18 @@ def _zram_down(mnt: str, name: str) -> None:
         pass
 
 
-def _make_file(path: str, size: int) -> None:
-    """Random bytes (never zeros), written once with O_DIRECT, then fsynced."""
+def _make_file(path: str, size: int, seed: int) -> None:
+    """Fresh random bytes (never zeros), written with O_DIRECT, fsynced."""
     import numpy as np
-    rng = np.random.default_rng(1234)
+    rng = np.random.default_rng(seed)
     chunk = 64 * MiB
     buf = mmap.mmap(-1, chunk)
     arr = np.frombuffer(buf, dtype=np.uint8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        off = 0
-        while off < size:
-            n = min(chunk, size - off)
+        for off in range(0, size, chunk):
             arr[:] = rng.integers(0, 256, size=chunk, dtype=np.uint8)
-            os.pwrite(fd, memoryview(buf)[:chunk], off)
-            off += n
+            os.pwrite(fd, memoryview(buf), off)
         os.ftruncate(fd, size)
         os.fsync(fd)
     finally:
@@ -133,47 +121,102 @@ def _fs_of(path: str) -> str:
         out = subprocess.run(["df", "-T", path], capture_output=True, text=True).stdout
         parts = out.splitlines()[1].split()
         return f"{parts[1]} on {parts[0]}"
-    except Exception:
+    except Exception:  # noqa: BLE001
         return "?"
 
 
 # ---------------------------------------------------------------------------
-# methods (each returns seconds for moving `size` bytes)
+# patterns: a list of (file offset, GPU/host buffer offset, size)
 # ---------------------------------------------------------------------------
 
-def _stripes(size: int, n: int) -> list[tuple[int, int]]:
-    per = -(-size // n)
-    per = -(-per // (4 * MiB)) * (4 * MiB)
-    return [(i * per, min(size, (i + 1) * per)) for i in range(n) if i * per < size]
+class Pattern:
+    """What one row moves: ``n`` pieces, file offsets, buffer offsets, sizes."""
+
+    def __init__(self, name: str, foffs, boffs, size: int):
+        import numpy as np
+        self.name = name
+        self.foffs = np.asarray(foffs, dtype=np.int64)
+        self.boffs = np.asarray(boffs, dtype=np.int64)
+        self.sizes = np.full(len(self.foffs), size, dtype=np.int64)
+        self.piece = size
+        self.total = int(self.sizes.sum())
+
+    def head(self, max_bytes: int) -> "Pattern":
+        n = max(1, min(len(self.foffs), max_bytes // self.piece))
+        p = Pattern(self.name, self.foffs[:n], self.boffs[:n], self.piece)
+        return p
 
 
-def raw_odirect(path: str, size: int, threads: int, write: bool) -> float:
+def seq_pattern(size: int) -> Pattern:
+    return Pattern("seq", [0], [0], size)
+
+
+def chunk_pattern(file_size: int, chunk: int, nbytes: int, seed: int) -> Pattern:
+    """Distinct random blocks of the file -> distinct random slots of the buffer."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    nblocks = file_size // chunk
+    n = max(1, min(nblocks, nbytes // chunk))
+    blocks = rng.choice(nblocks, size=n, replace=False)
+    slots = rng.permutation(n)
+    return Pattern(f"chunks {chunk >> 10}K", blocks * chunk, slots * chunk, chunk)
+
+
+# ---------------------------------------------------------------------------
+# methods (each returns seconds for moving pattern.total bytes)
+# ---------------------------------------------------------------------------
+
+_HOST: dict[int, mmap.mmap] = {}
+HOST_MAX = GiB
+
+
+def _host_buffer(n: int) -> mmap.mmap:
+    """A page-aligned host buffer of n bytes of random data for raw O_DIRECT
+    (kept for the next row of the same size)."""
+    import numpy as np
+    if n not in _HOST:
+        _HOST.clear()
+        m = mmap.mmap(-1, n)
+        a = np.frombuffer(m, dtype=np.uint8)
+        rng = np.random.default_rng(3)
+        for off in range(0, n, 64 * MiB):
+            k = min(64 * MiB, n - off)
+            a[off:off + k] = rng.integers(0, 256, k, dtype=np.uint8)
+        del a
+        _HOST[n] = m
+    return _HOST[n]
+
+
+def raw_odirect(path: str, pat: Pattern, threads: int, write: bool) -> float:
+    """O_DIRECT into host memory, no GPU: the same pattern over N threads,
+    pieces of more than 4 MiB in 4 MiB requests.  Host places beyond 1 GiB
+    wrap around (the place in host memory does not change the device's pace)."""
     fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_DIRECT)
-    bufs = [mmap.mmap(-1, 4 * MiB) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(4096) * 1024)
+    span = -(-int((pat.boffs + pat.sizes).max()) // 4096) * 4096
+    hsize = min(span, HOST_MAX)
+    buf = _host_buffer(hsize)
+    mv = memoryview(buf)
+    work = []
+    for fo, bo, sz in zip(pat.foffs.tolist(), pat.boffs.tolist(), pat.sizes.tolist()):
+        for k in range(0, sz, 4 * MiB):
+            n = min(4 * MiB, sz - k)
+            b = (bo + k) % hsize
+            if b + n > hsize:
+                b = 0
+            work.append((fo + k, b, n))
     errs: list[BaseException] = []
 
-    def work(i, lo, hi):
-        mv = memoryview(bufs[i])
+    def run(i):
         try:
-            off = lo
-            while off < hi:
-                n = min(4 * MiB, hi - off)
-                n = -(-n // 4096) * 4096 if not write else n
+            for fo, bo, n in work[i::threads]:
                 if write:
-                    os.pwrite(fd, mv[:n], off)
+                    os.pwrite(fd, mv[bo:bo + n], fo)
                 else:
-                    if os.preadv(fd, [mv[:n]], off) <= 0:
-                        break
-                off += n
+                    os.preadv(fd, [mv[bo:bo + n]], fo)
         except BaseException as e:  # noqa: BLE001
             errs.append(e)
-        finally:
-            mv.release()
 
-    th = [threading.Thread(target=work, args=(i, lo, hi))
-          for i, (lo, hi) in enumerate(_stripes(size, threads))]
+    th = [threading.Thread(target=run, args=(i,)) for i in range(min(threads, len(work)))]
     t0 = time.perf_counter()
     for t in th:
         t.start()
@@ -183,32 +226,30 @@ def raw_odirect(path: str, size: int, threads: int, write: bool) -> float:
         os.fsync(fd)
     dt = time.perf_counter() - t0
     os.close(fd)
-    for b in bufs:
-        b.close()
+    mv.release()
     if errs:
         raise errs[0]
     return dt
 
 
-def naive(path: str, size: int, gpu, write: bool) -> float:
-    """malloc + pread (page cache) + cudaMemcpy, 64 MiB per request."""
+def naive(path: str, pat: Pattern, gpu, write: bool) -> float:
+    """Pageable memory + buffered pread/pwrite + a synchronous copy, one
+    request after another (64 MiB pieces for seq)."""
     import numpy as np
     import torch
-    chunk = 64 * MiB
     fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    off = 0
-    while off < size:
-        n = min(chunk, size - off)
-        if write:
-            host = gpu[off:off + n].cpu()           # pageable, synchronous
-            os.pwrite(fd, host.numpy().data, off)
-        else:
-            host = np.empty(n, dtype=np.uint8)      # buffer = malloc(len)
-            os.preadv(fd, [host], off)              # pread(fd, buffer, len, off)
-            gpu[off:off + n].copy_(torch.from_numpy(host))  # cudaMemcpy H2D
-        off += n
+    for fo, bo, sz in zip(pat.foffs.tolist(), pat.boffs.tolist(), pat.sizes.tolist()):
+        for k in range(0, sz, 64 * MiB):
+            n = min(64 * MiB, sz - k)
+            if write:
+                host = gpu[bo + k:bo + k + n].cpu()
+                os.pwrite(fd, host.numpy().data, fo + k)
+            else:
+                host = np.empty(n, dtype=np.uint8)
+                os.preadv(fd, [host], fo + k)
+                gpu[bo + k:bo + k + n].copy_(torch.from_numpy(host))
     if write:
         os.fsync(fd)
     torch.cuda.synchronize()
@@ -217,46 +258,36 @@ def naive(path: str, size: int, gpu, write: bool) -> float:
     return dt
 
 
-def kvikio_io(path: str, size: int, gpu, threads: int, write: bool) -> float:
+def _kvikio_threads(threads: int):
     import kvikio
     import kvikio.defaults as kd
     try:
         kd.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads})
-    except Exception:  # older API
+    except Exception:  # noqa: BLE001 - older API
         kd.compat_mode_reset(True)
         kd.num_threads_reset(threads)
+    return kvikio
+
+
+def kvikio_io(path: str, pat: Pattern, gpu, threads: int, write: bool) -> float:
+    """KvikIO compat mode; one future per piece (one for seq)."""
     import torch
+    kvikio = _kvikio_threads(threads)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     f = kvikio.CuFile(path, "r+" if write else "r")
-    if write:
-        f.pwrite(gpu[:size], size, 0).get()
-    else:
-        f.pread(gpu[:size], size, 0).get()
+    futs = []
+    for fo, bo, sz in zip(pat.foffs.tolist(), pat.boffs.tolist(), pat.sizes.tolist()):
+        view = gpu[bo:bo + sz]
+        futs.append(f.pwrite(view, sz, fo) if write else f.pread(view, sz, fo))
+    for fu in futs:
+        fu.get()
     f.close()
     if write:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    dt = time.perf_counter() - t0
-    return dt
-
-
-def phx_io(path: str, size: int, gpu, write: bool, ctx_cfg: dict) -> float:
-    import phx
-    import phx.gpu
-    import torch
-    eng = _phx_engine(ctx_cfg)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with phx.open(path, "r+" if write else "r", engine=eng) as f:
-        n = f.pwrite(gpu[:size], 0) if write else f.pread(gpu[:size], 0)
-        if write:
-            f.fsync()
-    dt = time.perf_counter() - t0
-    if n != size:
-        raise RuntimeError(f"phx moved {n} of {size} bytes")
-    return dt
+    return time.perf_counter() - t0
 
 
 _ENGINES: dict[tuple, Any] = {}
@@ -274,18 +305,43 @@ def _phx_engine(ctx_cfg: dict):
     return _ENGINES[key]
 
 
-def _verify(path: str, gpu, size: int) -> None:
-    """Spot-check the GPU bytes against the file (16 random 4 KiB pieces)."""
+def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict) -> float:
+    import phx
+    import phx.gpu
+    import torch
+    eng = _phx_engine(ctx_cfg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with phx.open(path, "r+" if write else "r", engine=eng) as f:
+        if pat.name == "seq":
+            n = [f.pwrite(gpu[:pat.total], 0) if write else f.pread(gpu[:pat.total], 0)]
+        elif write:
+            n = phx.gpu.write_chunks(f, gpu, pat.foffs, pat.boffs, pat.sizes)
+        else:
+            n = phx.gpu.read_chunks(f, gpu, pat.foffs, pat.boffs, pat.sizes)
+        if write:
+            f.fsync()
+    dt = time.perf_counter() - t0
+    if sum(n) != pat.total:
+        raise RuntimeError(f"phx moved {sum(n)} of {pat.total} bytes")
+    return dt
+
+
+def _verify(path: str, gpu, pat: Pattern, what: str) -> None:
+    """16 random pieces (up to 64 KiB of each) of the GPU buffer vs the file."""
     import numpy as np
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng()
     with open(path, "rb") as f:
-        for off in rng.integers(0, max(1, size - 4096), size=16):
-            off = int(off)
-            f.seek(off)
-            want = np.frombuffer(f.read(4096), dtype=np.uint8)
-            got = gpu[off:off + len(want)].cpu().numpy()
+        for i in rng.integers(0, len(pat.foffs), size=16):
+            sz = int(pat.sizes[i])
+            k = int(rng.integers(0, max(1, sz - 65536)))
+            n = min(65536, sz - k)
+            f.seek(int(pat.foffs[i]) + k)
+            want = np.frombuffer(f.read(n), dtype=np.uint8)
+            b = int(pat.boffs[i]) + k
+            got = gpu[b:b + n].cpu().numpy()
             if not np.array_equal(got, want):
-                raise RuntimeError(f"phx read wrong bytes at offset {off}")
+                raise RuntimeError(f"{what}: wrong bytes at file offset {int(pat.foffs[i]) + k}")
 
 
 # ---------------------------------------------------------------------------
@@ -310,54 +366,37 @@ def _ctx_cfg(args) -> dict:
     if args.bufs:
         cfg["bufs_per_lane"] = args.bufs
     if args.buf_size:
-        cfg["buf_size"] = _size(args.buf_size)
+        cfg["buf_size"] = parse_size(args.buf_size)
     return cfg
 
 
-def _rows_for(args, have_kvikio: bool) -> list[tuple[str, str, dict, Callable]]:
+def _methods(args, have_kvikio: bool, op: str, pattern: str) -> list[tuple[str, dict, Callable]]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    w = op == "write"
     cfg = _ctx_cfg(args)
-    rows = []
-    for op in ops:
-        w = op == "write"
-        if "phx" in methods:
-            rows.append((op, "phx", dict(cfg), lambda p, s, g, w=w: phx_io(p, s, g, w, cfg)))
-        if "raw" in methods:
-            for n in [int(x) for x in args.raw_threads.split(",")]:
-                rows.append((op, "raw-odirect", {"threads": n},
-                             lambda p, s, g, n=n, w=w: raw_odirect(p, s, n, w)))
-        if "naive" in methods:
-            rows.append((op, "naive", {"request": "64MiB"},
-                         lambda p, s, g, w=w: naive(p, s, g, w)))
-        if "kvikio" in methods and have_kvikio:
-            for n in [int(x) for x in args.kvikio_threads.split(",")]:
-                rows.append((op, "kvikio", {"threads": n, "compat": True},
-                             lambda p, s, g, n=n, w=w: kvikio_io(p, s, g, n, w)))
+    rows: list[tuple[str, dict, Callable]] = []
+    if "phx" in methods:
+        rows.append(("phx", dict(cfg), lambda p, pat, g: phx_io(p, pat, g, w, cfg)))
+    if "raw" in methods:
+        for n in [int(x) for x in args.raw_threads.split(",")]:
+            rows.append(("raw-odirect", {"threads": n},
+                         lambda p, pat, g, n=n: raw_odirect(p, pat, n, w)))
+    if "naive" in methods:
+        rows.append(("naive", {"request": "64MiB" if pattern == "seq" else "chunk",
+                               "max_bytes": None if pattern == "seq" else NAIVE_CAP},
+                     lambda p, pat, g: naive(p, pat if pattern == "seq" else pat.head(NAIVE_CAP),
+                                             g, w)))
+    if "kvikio" in methods and have_kvikio:
+        for n in [int(x) for x in args.kvikio_threads.split(",")]:
+            rows.append(("kvikio", {"threads": n, "compat": True},
+                         lambda p, pat, g, n=n: kvikio_io(p, pat, g, n, w)))
     return rows
 
 
-def _sweep(args, dirs, size, gpu) -> list[dict]:
-    out = []
-    for d, label in dirs:
-        path = os.path.join(d, "phx-bench-gpu.bin")
-        if not os.path.exists(path) or os.path.getsize(path) != size:
-            _make_file(path, size)
-        for spec in args.sweep.split(";"):
-            parts = spec.split(":")
-            cfg = {"lanes": int(parts[0]), "bufs_per_lane": int(parts[1]),
-                   "buf_size": _size(parts[2])}
-            if len(parts) > 3:
-                cfg["max_io_size"] = _size(parts[3])
-            runs = []
-            for _ in range(args.repeat):
-                drop_caches()
-                runs.append(size / phx_io(path, size, gpu, False, cfg) / 1e9)
-            med, spread = median_spread(runs)
-            print(f"{label:>6} read phx {spec:>12}: {med:6.2f} GB/s (spread {spread:.0%})",
-                  flush=True)
-            out.append({"device": label, "config": cfg, "runs": runs, "median": med})
-    return out
+def _cpu_seconds() -> float:
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def run(args) -> int:
@@ -374,11 +413,14 @@ def run(args) -> int:
         import kvikio  # noqa: F401
         have_kvikio = True
     except Exception as e:  # noqa: BLE001
-        print(f"phx bench gpu: KvikIO unavailable ({e}); its rows are skipped",
-              file=sys.stderr)
+        print(f"phx bench gpu: KvikIO unavailable ({e}); its rows are skipped", file=sys.stderr)
         have_kvikio = False
 
-    size = _size(args.size)
+    size = parse_size(args.size)
+    patterns = [p.strip() for p in args.pattern.split(",") if p.strip()]
+    chunk_sizes = [parse_size(c) for c in args.chunk_sizes.split(",")]
+    chunk_bytes = min(parse_size(args.chunk_bytes), size)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     dirs = [(d, "disk") for d in (args.dir or [os.environ.get("PHX_BENCH_DIR", ".")])]
     zram = None
     if args.zram:
@@ -387,106 +429,164 @@ def run(args) -> int:
     gpu = torch.empty(size, dtype=torch.uint8, device="cuda")
     gpu.random_(0, 256)
     torch.cuda.synchronize()
+
+    # the rows of one directory: (pattern, op, method, config, fn)
+    plan = []
+    for pname in patterns:
+        pats = [seq_pattern(size)] if pname == "seq" else \
+            [chunk_pattern(size, c, chunk_bytes, seed=c) for c in chunk_sizes]
+        for pat in pats:
+            for op in ops:
+                for name, cfg, fn in _methods(args, have_kvikio, op, pname):
+                    plan.append((pat, op, name, cfg, fn))
     results: list[dict] = []
+    import phx.gpu
     try:
-        if args.sweep:
-            results = _sweep(args, dirs, size, gpu)
-            write_json(args.json, {"benchmark": "gpu-sweep", "size": size, "rows": results})
-            return 0
-        rows = _rows_for(args, have_kvikio)
-        bar = progress(len(rows) * len(dirs) * args.repeat, "bench gpu", not args.quiet)
+        bar = progress(len(plan) * len(dirs) * args.repeat, "bench gpu", not args.quiet)
         for d, label in dirs:
             path = os.path.join(d, "phx-bench-gpu.bin")
             wpath = os.path.join(d, "phx-bench-gpu-w.bin")
-            _make_file(path, size)
-            _make_file(wpath, size)
+            _make_file(path, size, seed=1)
+            _make_file(wpath, size, seed=2)
             fs = _fs_of(path)
-            runs: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+            runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(plan))}
             for rep in range(args.repeat):
-                for i, (op, name, cfg, fn) in enumerate(rows):
+                for i, (pat, op, name, cfg, fn) in enumerate(plan):
+                    target = wpath if op == "write" else path
                     drop_caches()
-                    dt = fn(wpath if op == "write" else path, size, gpu)
-                    runs[i].append(size / dt / 1e9)
-                    if rep == 0 and name == "phx" and op == "read":
-                        _verify(path, gpu, size)
+                    c0 = _cpu_seconds()
+                    dt = fn(target, pat, gpu)
+                    cpu = _cpu_seconds() - c0
+                    moved = pat.total if not (name == "naive" and pat.name != "seq") \
+                        else pat.head(NAIVE_CAP).total
+                    runs[i].append((moved / dt / 1e9, cpu / (moved / 1e9)))
+                    if rep == 0 and name == "phx":
+                        if op == "read":
+                            _verify(path, gpu, pat, f"phx {pat.name} read")
+                        else:
+                            _verify(wpath, gpu, pat, f"phx {pat.name} write")
                     bar.update(1)
-            for i, (op, name, cfg, _) in enumerate(rows):
-                med, spread = median_spread(runs[i])
-                results.append({"device": label, "fs": fs, "op": op, "method": name,
-                                "config": cfg, "runs_gbps": runs[i], "median_gbps": med,
-                                "spread": spread})
+            for i, (pat, op, name, cfg, _) in enumerate(plan):
+                gb = [r[0] for r in runs[i]]
+                med, spread = median_spread(gb)
+                cpu_med, _ = median_spread([r[1] for r in runs[i]])
+                results.append({"device": label, "fs": fs, "pattern": pat.name,
+                                "chunk": pat.piece if pat.name != "seq" else None,
+                                "op": op, "method": name, "config": cfg, "runs_gbps": gb,
+                                "median_gbps": med, "spread": spread,
+                                "cpu_s_per_gb": cpu_med})
             for p in (path, wpath):
                 os.unlink(p)
         bar.close()
     finally:
         if zram:
             _zram_down(*zram)
-
-    _report(results, size, args)
+    ctx_info = {}
+    try:
+        ctx_info = phx.gpu.context(_phx_engine(_ctx_cfg(args)), 0).config
+    except Exception:  # noqa: BLE001
+        pass
+    _report(results, size, args, ctx_info)
     return 0
 
 
-def _best(results, device, op, method) -> dict | None:
-    c = [r for r in results if r["device"] == device and r["op"] == op and r["method"] == method]
+def _best(results, device, pattern, op, method) -> dict | None:
+    c = [r for r in results if r["device"] == device and r["pattern"] == pattern
+         and r["op"] == op and r["method"] == method]
     return max(c, key=lambda r: r["median_gbps"]) if c else None
 
 
-def _report(results: list[dict], size: int, args) -> None:
+#: (pattern kind, device) -> [(vs, min ratio)] from issue 10
+GOALS = {
+    ("chunks", "zram"): [("kvikio", 1.5), ("raw-odirect", 0.8)],
+    ("chunks", "disk"): [("kvikio", 1.0), ("raw-odirect", 0.95)],
+    ("seq", "disk"): [("kvikio", 1.0), ("raw-odirect", 0.95)],
+}
+
+
+def _report(results: list[dict], size: int, args, ctx_info: dict) -> None:
     table = []
     for r in results:
-        ph = _best(results, r["device"], r["op"], "phx")
+        ph = _best(results, r["device"], r["pattern"], r["op"], "phx")
         ratio = ph["median_gbps"] / r["median_gbps"] if ph and r["median_gbps"] else float("nan")
-        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
-        table.append((r["device"], r["op"], r["method"], cfg, r["median_gbps"],
-                      f"{r['spread']:.0%}", ratio))
-    print(f"\nphx bench gpu: {size / GiB:.1f} GiB file <-> one GPU buffer, "
-          f"{args.repeat} repeats, page cache dropped before each row (GB/s medians)")
-    print(fmt_table(["device", "op", "method", "config", "GB/s", "spread", "phx/x"], table))
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items() if v is not None)
+        table.append((r["device"], r["pattern"], r["op"], r["method"], cfg, r["median_gbps"],
+                      f"{r['spread']:.0%}", r["cpu_s_per_gb"], ratio))
+    print(f"\nphx bench gpu: {size / GiB:.1f} GiB files, {args.repeat} repeats, page cache "
+          f"dropped before each row (GB/s medians; CPU s/GB = process user+sys per GB)")
+    if ctx_info:
+        print("phx staging: " + ", ".join(f"{k}={v}" for k, v in ctx_info.items()))
+    print(fmt_table(["device", "pattern", "op", "method", "config", "GB/s", "spread",
+                     "CPU s/GB", "phx/x"], table))
     goals = []
-    for dev in sorted({r["device"] for r in results}):
-        ph = _best(results, dev, "read", "phx")
-        if not ph:
+    for r in results:
+        if r["method"] != "phx":
             continue
-        for base, want in (("raw-odirect", 0.95 if dev == "disk" else None),
-                           ("kvikio", 1.1), ("naive", 1.5 if dev == "zram" else None)):
-            b = _best(results, dev, "read", base)
-            if b and want:
-                ratio = ph["median_gbps"] / b["median_gbps"]
-                goals.append({"device": dev, "vs": base, "ratio": ratio, "goal": want,
-                              "met": ratio >= want})
+        kind = "seq" if r["pattern"] == "seq" else "chunks"
+        for base, want in GOALS.get((kind, r["device"]), []):
+            b = _best(results, r["device"], r["pattern"], r["op"], base)
+            if not b:
+                continue
+            ratio = r["median_gbps"] / b["median_gbps"]
+            cpu_ratio = r["cpu_s_per_gb"] / b["cpu_s_per_gb"] if b["cpu_s_per_gb"] else None
+            goals.append({"device": r["device"], "pattern": r["pattern"], "op": r["op"],
+                          "vs": base, "vs_config": b["config"], "ratio": ratio, "goal": want,
+                          "met": ratio >= want, "cpu_ratio": cpu_ratio})
     for g in goals:
-        print(f"goal {g['device']:>4} read: phx / best {g['vs']:<11} = {g['ratio']:.2f} "
-              f"(goal >= {g['goal']}) {'met' if g['met'] else 'NOT met'}")
+        cpu = f", CPU/GB {g['cpu_ratio']:.2f}x" if g["cpu_ratio"] is not None else ""
+        print(f"goal {g['device']:>4} {g['pattern']:<12} {g['op']:<5}: phx / best {g['vs']:<11} "
+              f"= {g['ratio']:.2f} (>= {g['goal']}) {'met' if g['met'] else 'NOT met'}{cpu}")
     try:
-        import phx.gpu
-        st = phx.gpu.stats()
-        print("phx GPU counters: " + ", ".join(f"{k}={v}" for k, v in st.items() if v))
+        st = phx_stats()
     except Exception:  # noqa: BLE001
         st = {}
     write_json(args.json, {"benchmark": "gpu", "size": size, "repeat": args.repeat,
-                           "rows": results, "goals": goals, "phx_gpu_stats": st})
+                           "patterns": args.pattern, "staging": ctx_info, "rows": results,
+                           "goals": goals, "phx_gpu_stats": st})
     if args.plot:
-        _plot(results, args.plot, size)
+        _plot(results, args.plot)
 
 
-def _plot(results: list[dict], path: str, size: int) -> None:
+def phx_stats() -> dict:
+    import phx.gpu
+    return phx.gpu.stats()
+
+
+def _plot(results: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = sorted({(r["device"], r["op"]) for r in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    colors = {"phx": "tab:red", "raw-odirect": "tab:gray", "naive": "tab:brown",
+              "kvikio": "tab:blue"}
     for ax, (dev, op) in zip(axes[0], panels):
         rs = [r for r in results if r["device"] == dev and r["op"] == op]
-        labels = [r["method"] + ("\n" + ",".join(f"{v}" for v in r["config"].values())
-                                 if r["method"] != "phx" else "") for r in rs]
-        med = [r["median_gbps"] for r in rs]
-        lo = [m - min(r["runs_gbps"]) for m, r in zip(med, rs)]
-        hi = [max(r["runs_gbps"]) - m for m, r in zip(med, rs)]
-        colors = ["tab:red" if r["method"] == "phx" else "tab:gray" for r in rs]
-        ax.bar(range(len(rs)), med, yerr=[lo, hi], color=colors, capsize=3)
-        ax.set_xticks(range(len(rs)))
-        ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
-        ax.set_title(f"{dev}: {op} ({size / GiB:.0f} GiB)")
+        groups = []
+        for r in rs:
+            if r["pattern"] not in groups:
+                groups.append(r["pattern"])
+        x = 0
+        ticks, labels = [], []
+        for g in groups:
+            best: dict[str, dict] = {}
+            for r in rs:
+                if r["pattern"] == g and (r["method"] not in best or
+                                          r["median_gbps"] > best[r["method"]]["median_gbps"]):
+                    best[r["method"]] = r
+            start = x
+            for m, r in best.items():
+                med = r["median_gbps"]
+                ax.bar(x, med, yerr=[[med - min(r["runs_gbps"])], [max(r["runs_gbps"]) - med]],
+                       color=colors.get(m, "k"), capsize=2, label=m if g == groups[0] else None)
+                x += 1
+            ticks.append((start + x - 1) / 2)
+            labels.append(g)
+            x += 1
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(labels, fontsize=8, rotation=20)
+        ax.set_title(f"{dev}: {op} (best config of each method)")
         ax.set_ylabel("GB/s (median, min-max)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

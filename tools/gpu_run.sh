@@ -1,0 +1,104 @@
+#!/bin/bash
+# tools/gpu_run.sh - build phx on the H200 box and run the GPU tests and
+# benchmarks there, in one call of the device tool.  Logs and JSON go to $OUT.
+#
+#   tools/gpu_run.sh STEPS...     steps, in order: build test tune smoke seq chunks
+#
+# Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
+# liburing-dev and liburing2 .debs: the box has no liburing headers) and
+# .devcarry/whl (kvikio-cu13, libkvikio-cu13, rapids-logger wheels: no network
+# there).  Everything runs as root on the box.
+set -uo pipefail
+OUT=${OUT:-/tmp/phx-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+TESTDIR=/var/tmp/phxtest
+BENCHDIR=/var/tmp/phxbench
+mkdir -p $TESTDIR $BENCHDIR
+LOG=$OUT/run.log	# at most 8 files come back from $OUT: one log for all steps
+log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+
+setup() {
+	mkdir -p /tmp/uring
+	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
+	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+		.devcarry/whl/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
+	export PHX_LIBURING_ROOT=/tmp/uring
+	export PYTHONPATH=/tmp/phx:/tmp/site
+	export LD_LIBRARY_PATH=/tmp/site/libkvikio/lib64:/tmp/site/rapids_logger/lib64:${LD_LIBRARY_PATH:-}
+}
+
+build() {
+	log build
+	python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/phx \
+		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
+		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
+	python3 -c "import phx, phx.gpu; print(phx.__file__, phx.gpu.is_available())" 2>&1 | tee -a "$LOG"
+	nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv 2>&1 | tee -a "$LOG"
+}
+
+tests() {
+	log tests
+	PHX_TEST_DIR=$TESTDIR timeout 420 python3 -m pytest -q -ra -p no:cacheprovider \
+		--timeout 240 tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py 2>&1 |
+		tee -a "$LOG" | tail -40
+}
+
+zram_up() {	# $1 size -> prints the mount point
+	local id
+	id=$(cat /sys/class/zram-control/hot_add)
+	echo "$1" >/sys/block/zram$id/disksize
+	mkfs.ext4 -q -F /dev/zram$id && mkdir -p /mnt/phx-tune$id && mount /dev/zram$id /mnt/phx-tune$id
+	echo "$id"
+}
+
+zram_down() {
+	umount /mnt/phx-tune$1 && echo 1 >/sys/block/zram$1/reset
+}
+
+tune() {
+	log tune
+	python3 -m phx tune $BENCHDIR --size 1G 2>&1 | tee -a "$LOG"
+	local id
+	id=$(zram_up 4G)
+	python3 -m phx tune /mnt/phx-tune$id --size 1G 2>&1 | tee -a "$LOG"
+	zram_down "$id"
+	python3 -m phx info 2>&1 | sed -n '/^cuda:/,/^kernel_module/p' | tee -a "$LOG"
+	cp ~/.cache/phx/gpu-tune.json "$OUT/" 2>/dev/null || true
+}
+
+smoke() {
+	log smoke bench
+	timeout 300 python3 -m phx bench gpu --pattern seq,chunks --size 1G --chunk-bytes 256M \
+		--repeat 1 --raw-threads 16 --kvikio-threads 16 --dir $BENCHDIR --zram 4G --quiet \
+		--json "$OUT/smoke.json" 2>&1 | tee -a "$LOG" | tail -60
+}
+
+seq() {
+	log seq bench
+	timeout 560 python3 -m phx bench gpu --pattern seq --size ${SEQ_SIZE:-2G} --repeat 3 \
+		--raw-threads 16,64 --kvikio-threads 16,64 --dir $BENCHDIR --zram 8G --quiet \
+		--json "$OUT/seq.json" --plot "$OUT/seq.png" 2>&1 | tee -a "$LOG" | tail -45
+}
+
+chunks() {
+	log chunks bench
+	timeout 560 python3 -m phx bench gpu --pattern chunks --size ${CHUNK_FILE:-2G} \
+		--chunk-bytes ${CHUNK_BYTES:-512M} --repeat 3 --raw-threads 16,64 \
+		--kvikio-threads 4,16,64 --dir $BENCHDIR --zram 8G --quiet \
+		--json "$OUT/chunks.json" --plot "$OUT/chunks.png" 2>&1 | tee -a "$LOG" | tail -90
+}
+
+setup || exit 1
+for step in "$@"; do
+	case $step in
+	build) build || exit 1 ;;
+	test) tests ;;
+	tune) tune ;;
+	smoke) smoke ;;
+	seq) seq ;;
+	chunks) chunks ;;
+	*) echo "unknown step $step"; exit 2 ;;
+	esac
+done
+log done
