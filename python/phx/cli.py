@@ -1,4 +1,4 @@
-"""The ``phx`` command line: ``phx info``, ``phx stats``, ``phx bench <name>``.
+"""The ``phx`` command line: ``phx info``, ``phx stats``, ``phx tune``, ``phx bench <name>``.
 
 Each benchmark lives in its own module under :mod:`phx.bench` and provides
 ``add_arguments(parser)`` and ``run(args) -> int``; :data:`BENCHMARKS` lists
@@ -30,6 +30,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("stats", help="counters of this process's default engine (mostly for scripts)")
 
+    p_tune = sub.add_parser("tune", help="measure and cache the GPU staging defaults for a filesystem")
+    p_tune.add_argument("path", nargs="?", default=".", help="a directory on the filesystem to tune for")
+    p_tune.add_argument("--size", default="1G", help="scratch file size (default 1G)")
+    p_tune.add_argument("--quiet", action="store_true", help="no per-configuration lines")
+
     p_bench = sub.add_parser("bench", help="benchmarks")
     bsub = p_bench.add_subparsers(dest="bench", required=True)
     for name, (modname, help_text) in BENCHMARKS.items():
@@ -49,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         from phx.probe import main as info_main
         return info_main(args)
+    if args.command == "tune":
+        from phx.tune import main as tune_main
+        return tune_main(args)
     if args.command == "stats":
         import json
         import phx

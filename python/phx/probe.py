@@ -85,7 +85,14 @@ def _cuda() -> dict[str, Any]:
         gpu = None
     if gpu is not None and hasattr(gpu, "is_available"):
         ok, why = gpu.is_available()
-        return {"available": bool(ok), "reason": why}
+        out: dict[str, Any] = {"available": bool(ok), "reason": why}
+        if ok:
+            try:
+                from phx import tune
+                out["staging"] = tune.explain(0)
+            except Exception as e:  # noqa: BLE001 - info must not fail on it
+                out["staging"] = {"error": str(e)}
+        return out
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as e:
