@@ -10,7 +10,7 @@
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
 # PHX-EXPECT: fillbar checkbar validate garbage rmmod-refused kill-midio
-# PHX-EXPECT: fixedbuf-exit fork unreg concurrent python-direct libphx-devmem rmmod
+# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem rmmod
 # PHX-HOSTFILL: 234881024 8388608 4242
 set -u
 export PYTHONDONTWRITEBYTECODE=1
@@ -28,6 +28,24 @@ info_regs() { $T info | sed -n 's/.* regs \([0-9]*\) busy.*/\1/p'; }
 wait_regs0() {
 	for _ in $(seq 100); do [ "$(info_regs)" = 0 ] && return 0; sleep 0.1; done
 	return 1
+}
+# run_pytest NAME FILE: PASS only if pytest exits 0 having run and passed at
+# least one test and skipped none (everything these files need is here: a
+# skip in the guest means a test did not run, which is not a pass).
+run_pytest() {
+	local name=$1 file=$2 log=/tmp/pytest-$1.log rc summary passed skipped
+	PHX_GUEST_DIR=$MNT "$PY" -m pytest -q -rs -p no:cacheprovider "$file" >"$log" 2>&1
+	rc=$?
+	tail -15 "$log"
+	summary=$(grep -E '(passed|failed|skipped|error|errors|no tests ran).* in [0-9.]+s' "$log" |
+		tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+	passed=$(grep -oE '[0-9]+ passed' <<<"$summary" | grep -oE '[0-9]+')
+	skipped=$(grep -oE '[0-9]+ skipped' <<<"$summary" | grep -oE '[0-9]+')
+	if [ "$rc" = 0 ] && [ "${passed:-0}" -gt 0 ] && [ "${skipped:-0}" = 0 ]; then
+		pass "$name" "$summary"
+	else
+		fail "$name: $file: pytest rc=$rc, ${summary:-no summary line} (all must run and pass)"
+	fi
 }
 mkfs_mount() {
 	umount $MNT 2>/dev/null
@@ -95,7 +113,9 @@ else
 fi
 kill -9 $HP
 wait $HP 2>/dev/null
-wait_regs0
+if ! wait_regs0; then
+	fail "rmmod-refused: the holder was killed but registrations are left: $($T info)"
+fi
 if [ "$PHX_KERNEL" = p2pdma ] && [ -d $P2PMEM ]; then
 	fail "p2pdma-state: $P2PMEM still there after the last registration went"
 fi
@@ -153,14 +173,15 @@ if [ $ok = 1 ]; then pass concurrent "3 processes, disjoint ranges"; else fail c
 PY=python3
 if [ -x "$PHX_REPO/.venv/bin/python" ] && "$PHX_REPO/.venv/bin/python" -c 'import pytest' 2>/dev/null; then
 	PY="$PHX_REPO/.venv/bin/python"
-	PHX_GUEST_DIR=$MNT "$PY" -m pytest -q -p no:cacheprovider \
-		"$PHX_REPO/tests/guest/test_guest_direct.py" 2>&1 | tail -5
-	rc=${PIPESTATUS[0]}
+	run_pytest python-direct "$PHX_REPO/tests/guest/test_guest_direct.py"
 else
+	# plain python3: the file runs its tests itself (exit 0 pass, 1 fail, 77 skip)
 	PHX_GUEST_DIR=$MNT "$PY" "$PHX_REPO/tests/guest/test_guest_direct.py"
 	rc=$?
+	if [ "$rc" = 0 ]; then pass python-direct "$PY"
+	elif [ "$rc" = 77 ]; then fail python-direct "$PY: the tests skipped (no /dev/phx or BAR?)"
+	else fail python-direct "$PY: rc=$rc"; fi
 fi
-if [ "$rc" = 0 ]; then pass python-direct "$PY"; else fail python-direct "rc=$rc"; fi
 
 # --- libphx's engine on device memory (phx.devmem) ---
 # PHX_SUITE_LIBPHX=0 on the host skips tests/guest/test_guest_libphx.py here.
@@ -168,13 +189,7 @@ if [ "${PHX_SUITE_LIBPHX:-1}" != 1 ]; then
 	echo "PHX-SKIP libphx-devmem: PHX_SUITE_LIBPHX=0"
 elif [ -f "$PHX_REPO/tests/guest/test_guest_libphx.py" ] &&
 	"$PY" -c 'import pytest, phx.devmem' 2>/dev/null; then
-	PHX_GUEST_DIR=$MNT "$PY" -m pytest -q -p no:cacheprovider \
-		"$PHX_REPO/tests/guest/test_guest_libphx.py" 2>&1 | tail -15
-	if [ "${PIPESTATUS[0]}" = 0 ]; then
-		pass libphx-devmem "tests/guest/test_guest_libphx.py"
-	else
-		fail libphx-devmem "tests/guest/test_guest_libphx.py failed"
-	fi
+	run_pytest libphx-devmem "$PHX_REPO/tests/guest/test_guest_libphx.py"
 else
 	echo "PHX-SKIP libphx-devmem: phx.devmem not importable with $PY (build the venv first)"
 fi
