@@ -277,9 +277,16 @@ def private_ext4(disk_base):
                        capture_output=True)
         yield mnt
     finally:
-        subprocess.run(["umount", mnt], capture_output=True)
+        # io_uring rings release their registered files asynchronously after
+        # close: the mount can be busy for a moment.
+        for _ in range(100):
+            if not os.path.ismount(mnt) or subprocess.run(
+                    ["umount", mnt], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
         subprocess.run(["losetup", "-d", loop], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+        if not os.path.ismount(mnt):
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def _test_file(d: str, size: int) -> str:
@@ -307,18 +314,24 @@ def test_writes_end_with_a_timed_fsync(private_ext4, op):
     assert dev is not None, how
     try:
         for name, eng in _engines(path, size).items():
-            # fio's own end fsync is lost only now and then (see phx.bench._fio): 3 runs.
-            for _ in range(3 if name == "fio" else 1):
+            # fio's own end fsync is lost only now and then (see phx.bench._fio), so
+            # every write run of 3 must flush.  A read run must not fsync; now and then
+            # a journal commit of an earlier test's deferred work (a ring releasing an
+            # unlinked file late) lands in one, so 1 of 3 without a flush suffices.
+            flushes = []
+            for _ in range(3 if name == "fio" or "write" not in op else 1):
                 os.sync()
                 before = dev.read()
                 s = eng.run(op, 4096, 8, 0.1)
                 d = dev.read() - before
+                flushes.append(d.flush_ios)
                 if "write" in op:
                     assert d.flush_ios >= 1, (name, d)
                     assert 0 < s.extra["fsync_s"] < s.seconds, (name, s.extra)
                 else:
-                    assert d.flush_ios == 0, (name, d)
                     assert "fsync_s" not in s.extra
+            if "write" not in op:
+                assert min(flushes) == 0, (name, flushes)
     finally:
         os.unlink(path)
 

@@ -75,8 +75,9 @@ def _teardown(index: int, mountpoint: str | None) -> list[str]:
     problems = []
     if mountpoint is not None:
         if os.path.ismount(mountpoint):
-            # A process that just exited may still hold the mount for a moment.
-            for _ in range(20):
+            # A process that just exited may still hold the mount for a moment, and
+            # io_uring rings drop their registered files asynchronously after close.
+            for _ in range(100):
                 if subprocess.run(["umount", mountpoint], capture_output=True).returncode == 0:
                     break
                 time.sleep(0.1)
