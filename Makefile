@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 #     the guest), libelf-dev bc dwarves (pahole: the BTF step of phx.ko's modfinal);
 #     flex bison libssl-dev for the P2PDMA kernel (make test-guest-p2pdma)
 #   test-fresh: debootstrap
-APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev \
+APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev libblkid-dev \
 	python3-venv python3-dev \
 	fio xfsprogs e2fsprogs util-linux mount \
 	qemu-system-x86 busybox-static cpio xz-utils kmod libelf-dev bc dwarves \

@@ -18,9 +18,11 @@
  *     back to Write Zeroes (0x08, with DEAC where DLFEAT allows) when the
  *     controller lacks DSM;
  *   - every command is checked against the claimed range before it is built;
- *   - a namespace that is mounted, partitioned, held by another driver or
- *     carries a known signature (GPT, MBR, ext2/3/4, xfs, btrfs, swap, LUKS,
- *     LVM2, f2fs, FAT, NTFS, ISO 9660) is refused unless PHX_NVME_FORCE.
+ *   - the namespace's block device is found from the device number of the
+ *     node opened (any name: a renamed mknod, a symlink), and the namespace
+ *     is refused unless PHX_NVME_FORCE when that block device cannot be
+ *     found or opened with O_EXCL, or is mounted, partitioned, held by
+ *     another driver, or carries a signature libblkid recognises.
  *
  * A handle has nr_queues io_uring rings ("queues"); each call takes a free
  * queue for its whole duration, so calls from several threads run in
@@ -52,7 +54,10 @@ typedef struct phx_nvme phx_nvme;
 
 /* struct phx_nvme_config.flags */
 enum {
-	/* Skip the safety checks (mounted, partitions, holders, signatures). */
+	/*
+	 * Skip the safety checks (block device found and claimed O_EXCL,
+	 * mounted, partitions, holders, signatures).
+	 */
 	PHX_NVME_FORCE = 1u << 0,
 	/* Do not use registered buffers even where the kernel supports them. */
 	PHX_NVME_NO_FIXED_BUFS = 1u << 1,
@@ -83,13 +88,18 @@ struct phx_nvme_config {
 void phx_nvme_config_init(struct phx_nvme_config *cfg);
 
 /*
- * Open the namespace behind @path (its generic char device, /dev/ngXnY)
- * and claim [first_lba, first_lba + nr_lbas).  Unless PHX_NVME_FORCE, the
- * namespace's block device stays open with O_EXCL while the handle lives,
- * so nothing can mount it meanwhile.  Errors: -ENOTTY not an NVMe
- * namespace char device; -EBUSY mounted, held or partitioned; -EEXIST a
- * foreign signature; -ERANGE a claimed range outside the namespace;
- * -EOPNOTSUPP a format libphx cannot drive (metadata/PI).
+ * Open the namespace behind @path (its generic char device, /dev/ngXnY, or
+ * any node with that device number) and claim [first_lba, first_lba +
+ * nr_lbas).  Unless PHX_NVME_FORCE, the namespace's block device stays open
+ * with O_EXCL while the handle lives, so nothing can mount it meanwhile.
+ * Errors: -ENOTTY not an NVMe namespace char device (a block device, a
+ * controller); -ENODEV its block device not found in sysfs; -ENOENT no
+ * /dev node with the block device's number; -EBUSY mounted, held,
+ * partitioned or claimed by someone else; -EACCES (or any other errno of
+ * the O_EXCL open) the block device cannot be claimed; -EEXIST a foreign
+ * signature; -ENOSYS libphx built without libblkid; -ERANGE a claimed
+ * range outside the namespace; -EOPNOTSUPP a format libphx cannot drive
+ * (metadata/PI).
  */
 int phx_nvme_open(const char *path, const struct phx_nvme_config *cfg,
 		  phx_nvme **out);
@@ -126,21 +136,25 @@ struct phx_nvme_info {
 	char model[41];
 	char serial[21];
 	char firmware[9];
-	char block_device[33];	/* "nvme0n1", "" if none found */
+	char block_device[33];	/* "nvme0n1" (by device number), "" if none found */
 	uint32_t reserved[8];
 };
 
 int phx_nvme_get_info(const phx_nvme *nv, struct phx_nvme_info *info);
 
 /*
- * Identify the namespace behind @path without claiming it (no safety
- * checks, nothing written).  Fills @info (claimed fields zero).
+ * Identify the namespace behind @path (its generic char device or its block
+ * device, any node name) without claiming it (no safety checks, nothing
+ * written).  Fills @info (claimed fields zero; block_device "" if it was
+ * not found).
  */
 int phx_nvme_identify(const char *path, struct phx_nvme_info *info);
 
 /*
- * The safety check phx_nvme_open() does, on its own: 0 when the namespace
- * may be claimed, or -EBUSY/-EEXIST with the reason in phx_strerror_last().
+ * The safety check phx_nvme_open() does, on its own, on the namespace's
+ * char device or its block device: 0 when the namespace may be claimed, or
+ * the errno phx_nvme_open() would refuse with and the reason in
+ * phx_strerror_last().
  */
 int phx_nvme_check(const char *path);
 

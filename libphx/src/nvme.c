@@ -173,7 +173,9 @@ static int admin_identify(int fd, uint32_t nsid, uint32_t cns, void *buf,
 static int identify_fd(int fd, const char *path, struct phx_nvme_info *info)
 {
 	uint8_t *ctrl = NULL, *ns = NULL;
+	struct nvme_blkdev blk;
 	struct stat stbuf;
+	char why[320];
 	uint32_t fmt, nlbaf, lbads, hw_kb, segs;
 	uint64_t mt;
 	int nsid, ret;
@@ -182,11 +184,7 @@ static int identify_fd(int fd, const char *path, struct phx_nvme_info *info)
 	info->size = sizeof(*info);
 	if (fstat(fd, &stbuf))
 		return phx_err(-errno, "%s", path);
-	if (S_ISBLK(stbuf.st_mode))
-		return phx_err(-ENOTTY,
-			       "%s is a block device: use the namespace's generic char device "
-			       "(/dev/ngXnY) for passthrough", path);
-	if (!S_ISCHR(stbuf.st_mode))
+	if (!S_ISCHR(stbuf.st_mode) && !S_ISBLK(stbuf.st_mode))
 		return phx_err(-ENOTTY, "%s is not an NVMe namespace char device (/dev/ngXnY)",
 			       path);
 	nsid = ioctl(fd, NVME_IOCTL_ID);
@@ -194,6 +192,11 @@ static int identify_fd(int fd, const char *path, struct phx_nvme_info *info)
 		return phx_err(nsid < 0 ? -errno : -ENOTTY,
 			       "%s: NVME_IOCTL_ID failed: not an NVMe namespace "
 			       "(a controller device /dev/nvmeX has no namespace)", path);
+	/* The block device by device number; not finding it is the safety check's to judge. */
+	ret = nvme_find_block(fd, (uint32_t)nsid, &blk, why, sizeof(why));
+	if (ret == -ENOTTY)
+		return phx_err(ret, "%s: %s", path, why);
+	snprintf(info->block_device, sizeof(info->block_device), "%s", blk.name);
 	info->nsid = (uint32_t)nsid;
 	if (posix_memalign((void **)&ctrl, 4096, 4096) ||
 	    posix_memalign((void **)&ns, 4096, 4096)) {
@@ -231,7 +234,6 @@ static int identify_fd(int fd, const char *path, struct phx_nvme_info *info)
 		info->features |= PHX_NVME_FEAT_WRITE_ZEROES;
 	if (info->dlfeat & (1u << 3))
 		info->features |= PHX_NVME_FEAT_WZ_DEALLOC;
-	nvme_block_name(path, info->block_device, sizeof(info->block_device));
 
 	/* Largest command: MDTS (units of the 4 KiB controller page Linux
 	 * uses), the kernel's max_hw_sectors and max_segments, 16-bit NLB. */
@@ -293,8 +295,7 @@ PHX_EXPORT int phx_nvme_check(const char *path)
 			      "%s: the in-use LBA format has %u bytes of metadata per block "
 			      "(not supported)", path, info.metadata_size);
 	if (!ret)
-		ret = nvme_safety_check(fd, info.nsid, info.lba_size, info.capacity, path,
-					info.block_device, &claim);
+		ret = nvme_safety_check(fd, info.nsid, path, &claim);
 	if (claim >= 0)
 		close(claim);
 	close(fd);
@@ -568,6 +569,7 @@ static int nvme_open(const char *path, const struct phx_nvme_config *ucfg,
 		     phx_nvme **out)
 {
 	struct phx_nvme_config cfg;
+	struct stat st;
 	phx_nvme *nv;
 	uint32_t i;
 	int ret;
@@ -609,6 +611,13 @@ static int nvme_open(const char *path, const struct phx_nvme_config *ucfg,
 	ret = identify_fd(nv->fd, path, &nv->info);
 	if (ret)
 		goto fail;
+	/* io_uring passthrough (uring_cmd) exists on the char device only */
+	if (!fstat(nv->fd, &st) && S_ISBLK(st.st_mode)) {
+		ret = phx_err(-ENOTTY, "%s is a block device (%s): passthrough needs the "
+			      "namespace's generic char device (/dev/ngXnY)", path,
+			      nv->info.block_device);
+		goto fail;
+	}
 	if (nv->info.metadata_size) {
 		ret = phx_err(-EOPNOTSUPP,
 			      "%s: the in-use LBA format has %u bytes of metadata per block "
@@ -656,10 +665,9 @@ static int nvme_open(const char *path, const struct phx_nvme_config *ucfg,
 	if (!nv->max_unaligned)
 		nv->max_unaligned = nv->info.lba_size;
 
+	/* Unless forced, every doubt about the namespace refuses (nvme_safety.c). */
 	if (!(cfg.flags & PHX_NVME_FORCE)) {
-		ret = nvme_safety_check(nv->fd, nv->info.nsid, nv->info.lba_size,
-					nv->info.capacity, path, nv->info.block_device,
-					&nv->claim_fd);
+		ret = nvme_safety_check(nv->fd, nv->info.nsid, path, &nv->claim_fd);
 		if (ret)
 			goto fail;
 		if (nv->claim_fd >= 0)

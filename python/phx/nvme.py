@@ -5,8 +5,9 @@ straight to an NVMe namespace as NVMe Read/Write commands, laid out so that the
 controller sees one sequential stream.
 
 - :func:`open` claims an LBA range of a namespace (:class:`Namespace`), after
-  refusing namespaces that are mounted, partitioned, held or carry a foreign
-  signature (``force=True`` overrides);
+  refusing namespaces that are mounted, partitioned, held, carry a foreign
+  signature, or whose block device cannot be found or claimed exclusively
+  (``force=True`` overrides);
 - :class:`ExtentMap` binds tensors to extents of the claimed range with the
   paper's invariants (LBA aligned, disjoint, contiguous: ``start(n+1) =
   start(n) + blocks(n)`` from a first LBA the user picks), reuses freed extents
@@ -43,18 +44,23 @@ def open(path: str | os.PathLike, *, first_lba: int = 0, nr_lbas: int = 0,
          dsm: bool = True, readonly: bool = False) -> Namespace:
     """Claim LBAs ``[first_lba, first_lba + nr_lbas)`` of the namespace at ``path``.
 
-    path: the namespace's generic char device, ``/dev/ngXnY``.
+    path: the namespace's generic char device, ``/dev/ngXnY``, under any name (a
+        renamed node or a symlink: the block device is found by device number).
     nr_lbas: 0 claims up to the end of the namespace.
     queue_depth: commands in flight per call (default 32, ``PHX_NVME_QUEUE_DEPTH``).
     nr_queues: io_uring rings, i.e. calls that run in parallel (2, ``PHX_NVME_QUEUES``).
     max_transfer: cap on bytes per NVMe command (default: MDTS and the kernel's limits).
-    force: skip the safety checks (mounted, partitions, holders, signatures).
+    force: skip the safety checks (block device found and claimed O_EXCL, mounted,
+        partitions, holders, signatures).
     fixed_buffers: use registered buffers (``register_buffer``) where the kernel can.
     dsm: deallocate with Dataset Management; False forces Write Zeroes.
     readonly: refuse writes and deallocation.
 
-    Raises :class:`NvmeError` (an OSError): EBUSY mounted/held/partitioned, EEXIST a
-    foreign signature, ERANGE a range outside the namespace, ENOTTY not a namespace.
+    Raises :class:`NvmeError` (an OSError): EBUSY mounted/held/partitioned/claimed,
+    EEXIST a foreign signature, ENODEV/ENOENT no block device or no node for it,
+    EACCES (or another errno of the O_EXCL open) the block device cannot be claimed,
+    ENOSYS libphx built without libblkid, ERANGE a range outside the namespace,
+    ENOTTY not a namespace (a block device: pass its ``/dev/ngXnY``).
     """
     return Namespace(path, first_lba=first_lba, nr_lbas=nr_lbas, queue_depth=queue_depth,
                      nr_queues=nr_queues, max_transfer=max_transfer, force=force,
@@ -297,7 +303,8 @@ def probe(paths: Iterable[str] | None = None) -> list[dict[str, Any]]:
     Each entry: ``name`` (/dev/ngXnY), ``usable`` (bool), ``reason`` (what to do
     about it), and when identify worked ``block_device``, ``model``,
     ``lba_size``, ``capacity``, ``max_transfer``, ``deallocated_reads``.
-    Nothing is written; nothing is claimed.
+    Nothing is written; each block device is opened O_EXCL only for the
+    moment of its check.
     """
     out = []
     for p in (list(paths) if paths is not None else _generic_devices()):

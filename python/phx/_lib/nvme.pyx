@@ -62,7 +62,7 @@ cdef dict _info_dict(phx_nvme_info *i):
 
 
 def identify(path) -> dict:
-    """Identify the namespace behind ``path`` (/dev/ngXnY) without claiming it."""
+    """Identify the namespace behind ``path`` (/dev/ngXnY or its block device) without claiming it."""
     cdef phx_nvme_info info
     cdef bytes b = _os.fsencode(path)
     cdef const char *p = b
@@ -75,7 +75,7 @@ def identify(path) -> dict:
 
 
 def check(path) -> None:
-    """Raise :class:`NvmeError` (EBUSY/EEXIST/...) if ``path`` may not be claimed."""
+    """Raise :class:`NvmeError` (EBUSY/EEXIST/...) if ``path`` (/dev/ngXnY or its block device) may not be claimed."""
     cdef bytes b = _os.fsencode(path)
     cdef const char *p = b
     cdef int rc
