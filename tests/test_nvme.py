@@ -9,8 +9,10 @@ tests/guest/nvme/test_nvme_guest.py (make test-guest-nvme).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import random
+import stat
 
 import numpy as np
 import pytest
@@ -260,14 +262,49 @@ def test_open_argument_checks():
         nvme.open("/dev/null", first_lba=-1)
 
 
-def test_probe_shape():
-    got = nvme.probe()
-    assert isinstance(got, list)
-    for p in got:
-        assert {"name", "usable", "reason"} <= set(p)
-    assert nvme.probe(["/dev/null"]) == [
-        {"name": "/dev/null", "usable": False, "reason": nvme.probe(["/dev/null"])[0]["reason"]}]
-    assert "cannot identify" in nvme.probe(["/dev/null"])[0]["reason"]
+def test_probe_shape(tmp_path, monkeypatch):
+    """probe() says, per path, what identify() and check() said, and never calls a node usable
+    that libphx refused."""
+    # the C library on nodes that are not namespaces: identify fails, the reason is libphx's
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x" * 4096)
+    for path, text in (("/dev/null", "not an NVMe namespace"),
+                       (str(plain), "not an NVMe namespace"),
+                       (str(tmp_path / "missing"), "No such file")):
+        got = nvme.probe([path])
+        assert len(got) == 1 and got[0]["name"] == path and got[0]["usable"] is False, got
+        assert set(got[0]) == {"name", "usable", "reason"}, got
+        assert got[0]["reason"].startswith("cannot identify: ") and text in got[0]["reason"], got
+    # without paths: exactly the generic char devices of this machine (none on the host)
+    ng = sorted(p for p in glob.glob("/dev/ng*n*") if stat.S_ISCHR(os.stat(p).st_mode))
+    assert sorted(p["name"] for p in nvme.probe()) == ng
+
+    # the verdicts, with identify/check standing in for three namespaces
+    info = {"block_device": "nvme7n1", "model": "M", "lba_size": 4096, "capacity": 1 << 30,
+            "max_transfer": 1 << 17, "deallocated_reads": "zeroes", "serial": "S"}
+    checked = []
+
+    def identify(p):
+        if p == "/dev/ngC":
+            raise nvme.NvmeError(errno.EACCES, "Permission denied")
+        return dict(info)
+
+    def check(p):
+        checked.append(p)
+        if p == "/dev/ngB":
+            raise nvme.NvmeError(errno.EBUSY, "/dev/nvme7n1 is mounted at /mnt")
+
+    monkeypatch.setattr(nvme, "identify", identify)
+    monkeypatch.setattr(nvme, "check", check)
+    a, b, c = nvme.probe(["/dev/ngA", "/dev/ngB", "/dev/ngC"])
+    assert checked == ["/dev/ngA", "/dev/ngB"]               # check only what identified
+    assert [a["name"], b["name"], c["name"]] == ["/dev/ngA", "/dev/ngB", "/dev/ngC"]
+    assert a["usable"] is True and "no filesystem" in a["reason"]
+    for k in ("block_device", "model", "lba_size", "capacity", "max_transfer",
+              "deallocated_reads"):
+        assert a[k] == info[k] and b[k] == info[k], k
+    assert b["usable"] is False and b["reason"] == "/dev/nvme7n1 is mounted at /mnt"
+    assert c["usable"] is False and "needs root" in c["reason"] and "block_device" not in c
 
 
 def test_bench_registered():

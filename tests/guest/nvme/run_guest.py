@@ -25,15 +25,17 @@ _orig = getattr(phxguest, "qemu_cmd", None)
 
 def _qemu_cmd(*args, **kw):
     cmd = _orig(*args, **kw)
-    out, patched = [], False
+    out, drives, unmapped = [], 0, 0
     for c in cmd:
-        if isinstance(c, str) and c.startswith("file=") and ",if=none," in c \
-                and "discard=" not in c:
-            c += ",discard=unmap"
-            patched = True
+        if isinstance(c, str) and c.startswith("file=") and ",if=none," in c:
+            drives += 1
+            if "discard=" not in c:
+                c += ",discard=unmap"
+            unmapped += ",discard=unmap" in c
         out.append(c)
-    # tell the guest (tests read /proc/cmdline)
-    if patched and "-append" in out:
+    # tell the guest (tests read /proc/cmdline) when every drive has it,
+    # whether added here or already there (phxguest.py adds it itself now)
+    if drives and unmapped == drives and "-append" in out:
         i = out.index("-append") + 1
         out[i] += " phx.nvme_discard=unmap"
     return out

@@ -15,9 +15,14 @@ import errno
 import fcntl
 import glob
 import os
+import stat
+import struct
 import subprocess
+import sys
 import threading
 import time
+import uuid
+import zlib
 
 import numpy as np
 import pytest
@@ -359,44 +364,109 @@ def _blk(serial: str) -> str:
 
 
 def _wipe(serial: str) -> None:
+    """Zero the first and the last MiB, where signatures live (GPT keeps a backup at the end)."""
     with nvme.open(dev(serial), force=True) as n:
         n.write_zeroes(0, 1 * MiB)
+        n.write_zeroes(n.end - 1 * MiB, 1 * MiB)
 
 
-def test_refuses_filesystems_and_mounts(tmp_path):
+def _rereadpt(blk: str) -> None:
+    fd = os.open(blk, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, 0x125F)                  # BLKRRPART: the kernel rereads the table
+    finally:
+        os.close(fd)
+
+
+def _names(d: str, where) -> list[str]:
+    """The namespace under three names: its /dev node, a mknod of its number, a symlink.
+
+    libphx must find the block device from the device number, so every name
+    gets the same checks and the same answers.
+    """
+    mine = os.path.join(str(where), "mydisk")
+    os.mknod(mine, stat.S_IFCHR | 0o600, os.stat(d).st_rdev)
+    link = os.path.join(str(where), "link")
+    os.symlink(mine, link)
+    return [d, mine, link]
+
+
+def _refused(names: list[str], blk: str, err: int, text: str) -> None:
+    """open() and check() refuse every name (check() the block device too), naming it."""
+    for p in names:
+        with pytest.raises(nvme.NvmeError) as ei:
+            nvme.open(p)
+        m = str(ei.value)
+        assert ei.value.errno == err and text in m and blk in m, (p, m)
+        assert not nvme.probe([p])[0]["usable"], p
+    for p in names + [blk]:
+        with pytest.raises(nvme.NvmeError) as ei:
+            nvme.check(p)
+        assert ei.value.errno == err and text in str(ei.value), (p, str(ei.value))
+    print(f"refused ({errno.errorcode[err]}): {m}")
+
+
+def test_renamed_node_is_the_same_namespace(tmp_path):
+    d = dev("phx0002")
+    want = nvme.identify(d)
+    for p in _names(d, tmp_path) + ["/dev/" + want["block_device"]]:
+        got = nvme.identify(p)
+        assert (got["serial"], got["nsid"], got["block_device"]) == \
+            (want["serial"], want["nsid"], want["block_device"]), p
+
+
+def test_refuses_filesystems_and_mounts(tmp_path, rbytes):
     d, blk = dev("phx0002"), _blk("phx0002")
+    names = _names(d, tmp_path)
     _wipe("phx0002")
-    nvme.check(d)                                # clean: usable
-    for mkfs, name in ((["mkfs.ext4", "-q", "-F", "-E", "nodiscard"], "ext2/3/4"),
+    for p in names + [blk]:
+        nvme.check(p)                            # clean: usable under every name
+    for mkfs, name in ((["mkfs.ext4", "-q", "-F", "-E", "nodiscard"], "ext4"),
                        (["mkfs.xfs", "-q", "-f", "-K"], "xfs")):
         subprocess.run(mkfs + [blk], check=True, capture_output=True)
-        with pytest.raises(nvme.NvmeError) as ei:
-            nvme.open(d)
-        assert ei.value.errno == errno.EEXIST and name in str(ei.value), str(ei.value)
-        assert not [p for p in nvme.probe([d]) if p["usable"]]
+        _refused(names, blk, errno.EEXIST, name)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", blk, str(mnt)], check=True)
     try:
-        for kw in ({}, ):
-            with pytest.raises(nvme.NvmeError) as ei:
-                nvme.open(d, **kw)
-            assert ei.value.errno == errno.EBUSY and "mounted" in str(ei.value), str(ei.value)
+        _refused(names, blk, errno.EBUSY, "is mounted at")
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
-    with nvme.open(d, force=True) as n:          # force overrides a signature
+    with nvme.open(names[1], force=True) as n:   # force overrides a signature
         assert n.info["features"]["exclusive"] is False
+    # Passthrough writes bypass the block device's page cache.  While another
+    # process holds the block device open (so the kernel keeps its cache),
+    # its cached superblock goes stale when the namespace is wiped through
+    # passthrough: the check must read the namespace, not those pages.
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", blk], check=True,
+                   capture_output=True)
+    keep = os.open(blk, os.O_RDONLY)             # not O_EXCL: claiming still works
+    try:
+        assert os.pread(keep, 2, 1080) == b"\x53\xef"   # ext4's magic, now cached
+        _wipe("phx0002")
+        for p in names + [blk]:
+            nvme.check(p)
+        # and the check leaves none of the pages it read behind to go stale
+        # under the handle's own writes
+        mark = rbytes(4096)
+        with nvme.open(d) as n:
+            n.write(mark, 0)
+        assert os.pread(keep, 4096, 0) == mark.tobytes()
+    finally:
+        os.close(keep)
     _wipe("phx0002")
-    with nvme.open(d) as n:                      # clean again: claimed, and held O_EXCL
-        assert n.info["features"]["exclusive"]
-        with pytest.raises(OSError) as ei:       # so nothing can mount it meanwhile
-            os.close(os.open(blk, os.O_RDONLY | os.O_EXCL))
-        assert ei.value.errno == errno.EBUSY
-    os.close(os.open(blk, os.O_RDONLY | os.O_EXCL))   # released on close
+    for p in names:
+        with nvme.open(p) as n:                  # clean again: claimed, and held O_EXCL
+            assert n.info["features"]["exclusive"]
+            with pytest.raises(OSError) as ei:   # so nothing can mount it meanwhile
+                os.close(os.open(blk, os.O_RDONLY | os.O_EXCL))
+            assert ei.value.errno == errno.EBUSY
+        os.close(os.open(blk, os.O_RDONLY | os.O_EXCL))   # released on close
 
 
-def test_refuses_partition_table():
+def test_refuses_partition_tables(tmp_path):
     d, blk = dev("phx0002"), _blk("phx0002")
+    names = _names(d, tmp_path)
     _wipe("phx0002")
     mbr = np.zeros(4096, np.uint8)
     e = 446
@@ -406,27 +476,163 @@ def test_refuses_partition_table():
     mbr[510], mbr[511] = 0x55, 0xAA
     with nvme.open(d, force=True) as n:
         n.write(mbr, 0)
-    with pytest.raises(nvme.NvmeError) as ei:
-        nvme.check(d)
-    assert ei.value.errno == errno.EEXIST and "MBR" in str(ei.value)
-    fd = os.open(blk, os.O_RDONLY)
+    _refused(names, blk, errno.EEXIST, "dos partition table")
+    _rereadpt(blk)
     try:
-        fcntl.ioctl(fd, 0x125F)                  # BLKRRPART: the kernel sees the partition
-    finally:
-        os.close(fd)
-    try:
-        assert os.path.exists(blk + "p1")
-        with pytest.raises(nvme.NvmeError) as ei:
-            nvme.open(d)
-        assert ei.value.errno == errno.EBUSY and "partition" in str(ei.value)
+        assert os.path.exists(blk + "p1")        # the kernel sees the partition
+        _refused(names, blk, errno.EBUSY, "partition(s)")
     finally:
         _wipe("phx0002")
-        fd = os.open(blk, os.O_RDONLY)
-        try:
-            fcntl.ioctl(fd, 0x125F)
-        finally:
-            os.close(fd)
+        _rereadpt(blk)
+    assert not os.path.exists(blk + "p1")
+    # GPT, written through passthrough (the kernel is not told): libblkid finds it
+    with nvme.open(d, force=True) as n:
+        head, tail = _gpt(n.lba_size, n.end // n.lba_size)
+        n.write(head, 0)
+        n.write(tail, n.end - len(tail))
+    try:
+        _refused(names, blk, errno.EEXIST, "gpt partition table")
+        with nvme.open(d, force=True) as n:      # the primary copy (and the protective
+            n.write_zeroes(0, 1 * MiB)           # MBR) wiped: the backup at the end counts
+        _refused(names, blk, errno.EEXIST, "gpt partition table")
+    finally:
+        _wipe("phx0002")
     nvme.check(d)
+
+
+def _gpt(lba: int, nr_lbas: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GPT with one 8 MiB Linux partition (UEFI layout): (LBAs 0.., the last LBAs)."""
+    entries = bytearray(128 * 128)
+    entries[0:16] = uuid.UUID("0fc63daf-8483-4772-8e79-3d69d8477de4").bytes_le  # Linux fs
+    entries[16:32] = uuid.uuid4().bytes_le
+    first = (1 * MiB) // lba
+    entries[32:56] = struct.pack("<QQQ", first, first + 8 * MiB // lba - 1, 0)
+    entries[56:62] = "phx".encode("utf-16-le")
+    ne = -(-len(entries) // lba)                 # LBAs the entry array takes
+    entries += bytes(ne * lba - len(entries))
+    last, disk = nr_lbas - 1, uuid.uuid4().bytes_le
+    ecrc = zlib.crc32(entries[:128 * 128])
+
+    def header(me: int, alt: int, at: int) -> bytes:
+        h = struct.pack("<8sIIIIQQQQ16sQIII", b"EFI PART", 0x10000, 92, 0, 0, me, alt,
+                        2 + ne, last - 1 - ne, disk, at, 128, 128, ecrc)
+        h = h[:16] + struct.pack("<I", zlib.crc32(h)) + h[20:]
+        return h + bytes(lba - len(h))
+    pmbr = bytearray(lba)
+    pmbr[446:462] = bytes([0, 0, 2, 0, 0xEE, 0xFF, 0xFF, 0xFF]) + \
+        struct.pack("<II", 1, min(nr_lbas - 1, 0xFFFFFFFF))
+    pmbr[510:512] = b"\x55\xaa"
+    head = bytes(pmbr) + header(1, last, 2) + bytes(entries)
+    tail = bytes(entries) + header(last, 1, last - ne)
+    return np.frombuffer(head, np.uint8).copy(), np.frombuffer(tail, np.uint8).copy()
+
+
+def test_refuses_unclaimable_block_device(tmp_path):
+    """No block device found, no node for it, or no O_EXCL open: refused unless forced."""
+    d, blk = dev("phx0002"), _blk("phx0002")
+    names = _names(d, tmp_path)
+    _wipe("phx0002")
+    nvme.check(d)
+
+    def forced_ok(p):
+        with nvme.open(p, force=True) as n:
+            assert n.read(np.zeros(4096, np.uint8), 0) == 4096
+            assert n.info["features"]["exclusive"] is False
+
+    # claimed by someone else (O_EXCL, as a mount or a driver would)
+    fd = os.open(blk, os.O_RDONLY | os.O_EXCL)
+    try:
+        _refused(names, blk, errno.EBUSY, "cannot claim it exclusively")
+        forced_ok(names[1])
+    finally:
+        os.close(fd)
+    # the block device's node is missing, then another device's node has its name
+    away = blk + ".away"
+    os.rename(blk, away)
+    try:
+        for p in names:
+            with pytest.raises(nvme.NvmeError) as ei:
+                nvme.open(p)
+            assert ei.value.errno == errno.ENOENT and "no device node " + blk in \
+                str(ei.value), str(ei.value)
+        forced_ok(names[1])
+        os.mknod(blk, stat.S_IFBLK | 0o600, os.stat(_blk("phx0000")).st_rdev)
+        try:
+            for p in names:
+                with pytest.raises(nvme.NvmeError) as ei:
+                    nvme.open(p)
+                assert ei.value.errno == errno.ENOENT and f"{blk} is not block device" in \
+                    str(ei.value), str(ei.value)
+            forced_ok(names[1])
+        finally:
+            os.unlink(blk)
+    finally:
+        os.rename(away, blk)
+    nvme.check(d)
+    # the block device cannot be found: sysfs's /sys/dev/char hidden (as a
+    # container may), in a private mount namespace
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = ("import errno, sys, phx.nvme as n\n"
+            "p = sys.argv[1]\n"
+            "try:\n    n.open(p).close(); print('OPENED')\n"
+            "except OSError as e:\n    print(errno.errorcode[e.errno], e)\n"
+            "with n.open(p, force=True) as ns:\n    print('FORCED', ns.info['block_device'])\n")
+    for p in names:
+        r = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f'mount --bind {empty} /sys/dev/char && exec "$0" -c "$1" "$2"',
+                            sys.executable, code, p], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("ENODEV ") and \
+            "cannot find the namespace's block device" in r.stdout, r.stdout
+        assert "FORCED" in r.stdout, r.stdout
+    print(r.stdout)
+    # no permission on the block device: a process that may open the char
+    # device but not the block device (root without capabilities, the block
+    # device's node at mode 0) gets EACCES
+    mode = os.stat(blk).st_mode
+    os.chmod(blk, 0)
+    try:
+        for p in names:
+            r = subprocess.run(["setpriv", "--inh-caps=-all", "--ambient-caps=-all",
+                                "--bounding-set=-all", "--", sys.executable, "-c", code, p],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.startswith("EACCES ") and "cannot claim it exclusively" in \
+                r.stdout and blk in r.stdout, r.stdout
+            assert "FORCED" in r.stdout, r.stdout
+    finally:
+        os.chmod(blk, stat.S_IMODE(mode))
+    print(r.stdout)
+
+
+def _blkid_finds(blk: str) -> str:
+    """What util-linux's blkid -p says about @blk ('' for nothing), caches flushed."""
+    subprocess.run(["blockdev", "--flushbufs", blk], check=True)
+    r = subprocess.run(["blkid", "-p", "-o", "export", blk], capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def test_raw_namespace_is_accepted(tmp_path, rbytes):
+    """Zeroed, then random first and last MiBs: no signature, so claimed without force."""
+    d, blk = dev("phx0002"), _blk("phx0002")
+    names = _names(d, tmp_path)
+    _wipe("phx0002")
+    for p in names:
+        with nvme.open(p) as n:
+            assert n.info["features"]["exclusive"]
+    with nvme.open(d, force=True) as n:
+        n.write(rbytes(1 * MiB), 0)
+        n.write(rbytes(1 * MiB), n.end - 1 * MiB)
+    other = _blkid_finds(blk)
+    for p in names + [blk]:
+        if other:                                # 2 bytes of random data can look like a
+            with pytest.raises(nvme.NvmeError):  # magic: then libphx must agree with blkid
+                nvme.check(p)
+        else:
+            nvme.check(p)
+    print(f"random data: blkid -p found {other!r}")
+    _wipe("phx0002")
 
 
 def test_bad_paths(tmp_path):
