@@ -51,6 +51,16 @@ enum {
 	PHX_ENGINE_NO_FIXED_FILES = 1u << 0,
 	/* Do not register bounce buffers as fixed buffers. */
 	PHX_ENGINE_NO_FIXED_BUFS = 1u << 1,
+	/*
+	 * Only the creating thread will ever use the engine (every call but
+	 * phx_engine_destroy() of an idle engine, phx_engine_stats() and
+	 * phx_engine_config_get(); others fail with -EPERM).  The ring is then
+	 * set up single-issuer with deferred task running (Linux >= 6.1) and
+	 * its fd registered, which saves work on every submission and
+	 * completion.  Falls back silently where the kernel lacks them (see
+	 * phx_engine_features()).
+	 */
+	PHX_ENGINE_SINGLE_THREAD = 1u << 2,
 };
 
 struct phx_engine_config {
@@ -85,6 +95,10 @@ enum {
 	PHX_FEAT_FIXED_FILES = 1u << 0,	/* files registered with the ring */
 	PHX_FEAT_FIXED_BUFS = 1u << 1,	/* bounce buffers registered */
 	PHX_FEAT_USER_BUFS = 1u << 2,	/* phx_buf_register() available */
+	PHX_FEAT_SUBMIT_ALL = 1u << 3,	/* a bad SQE does not stop submission */
+	PHX_FEAT_SINGLE_ISSUER = 1u << 4,	/* PHX_ENGINE_SINGLE_THREAD rings: */
+	PHX_FEAT_DEFER_TASKRUN = 1u << 5,	/*   completions run when we wait */
+	PHX_FEAT_REG_RING = 1u << 6,	/*   the ring fd is registered */
 };
 uint32_t phx_engine_features(const phx_engine *eng);
 

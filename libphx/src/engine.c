@@ -141,6 +141,77 @@ static int chunks_setup(phx_engine *eng)
 	return 0;
 }
 
+/*
+ * The ring, with the most helpful setup flags the kernel accepts: each set
+ * below is tried in turn, dropping what older kernels refuse (-EINVAL).
+ *   SUBMIT_ALL (5.18): an SQE that fails at submission does not hold back
+ *     the ones behind it;
+ *   COOP_TASKRUN | TASKRUN_FLAG (5.19): completions need not interrupt us;
+ *   SINGLE_ISSUER | DEFER_TASKRUN (6.0 / 6.1), single-thread engines only:
+ *     completion work runs in batches when we wait, not per completion.
+ * The SQ has one entry more than the queue depth for the retry tick.
+ */
+static int ring_setup(phx_engine *eng)
+{
+	static const unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
+	static const unsigned single = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+	unsigned tries[6], ntries = 0, i;
+	struct io_uring_params p;
+	int ret = -EINVAL;
+
+	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD) {
+		tries[ntries++] = IORING_SETUP_SUBMIT_ALL | single | IORING_SETUP_TASKRUN_FLAG;
+		tries[ntries++] = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_SINGLE_ISSUER | coop;
+	}
+	tries[ntries++] = IORING_SETUP_SUBMIT_ALL | coop;
+	tries[ntries++] = coop;
+	tries[ntries++] = 0;
+	for (i = 0; i < ntries; i++) {
+		memset(&p, 0, sizeof(p));
+		/* Completions outnumber submissions only transiently: 2x is ample. */
+		p.flags = IORING_SETUP_CQSIZE | tries[i];
+		p.cq_entries = 2 * (eng->cfg.queue_depth + 1);
+		ret = io_uring_queue_init_params(eng->cfg.queue_depth + 1, &eng->ring, &p);
+		if (ret != -EINVAL)
+			break;
+	}
+	if (ret < 0)
+		return phx_err(ret, "io_uring_queue_init(%u) failed%s", eng->cfg.queue_depth,
+			       ret == -EPERM ? " (io_uring disabled by sysctl kernel.io_uring_disabled?)" :
+			       ret == -ENOSYS ? " (kernel without io_uring)" : "");
+	if (p.flags & IORING_SETUP_SUBMIT_ALL)
+		eng->features |= PHX_FEAT_SUBMIT_ALL;
+	if (p.flags & IORING_SETUP_SINGLE_ISSUER)
+		eng->features |= PHX_FEAT_SINGLE_ISSUER;
+	if (p.flags & IORING_SETUP_DEFER_TASKRUN)
+		eng->features |= PHX_FEAT_DEFER_TASKRUN;
+	eng->enter_fd = eng->ring.ring_fd;
+	/* A registered ring fd is per thread: only for single-thread engines. */
+	if ((eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD) &&
+	    io_uring_register_ring_fd(&eng->ring) == 1) {
+		eng->enter_fd = eng->ring.enter_ring_fd;
+		eng->enter_flags = IORING_ENTER_REGISTERED_RING;
+		eng->features |= PHX_FEAT_REG_RING;
+	}
+	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD)
+		eng->owner_tid = gettid();
+	eng->tick_ts.tv_nsec = PHX_TICK_NS;
+	return 0;
+}
+
+/*
+ * Single-thread engines: the calling thread must be the creator (the
+ * kernel refuses other submitters of a single-issuer ring, and a registered
+ * ring fd means nothing in another thread).
+ */
+int engine_thread_check(const phx_engine *eng)
+{
+	if (eng->owner_tid && gettid() != eng->owner_tid)
+		return phx_err(-EPERM, "engine is single-thread (PHX_ENGINE_SINGLE_THREAD), created by thread %d, called from thread %d",
+			       (int)eng->owner_tid, (int)gettid());
+	return 0;
+}
+
 static void engine_free(phx_engine *eng)
 {
 	free(eng->chunks);
@@ -166,7 +237,6 @@ PHX_EXPORT int phx_engine_create(const struct phx_engine_config *cfg,
 
 static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 {
-	struct io_uring_params p;
 	phx_engine *eng;
 	int ret;
 
@@ -198,28 +268,9 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	if (ret)
 		goto err_free;
 
-	memset(&p, 0, sizeof(p));
-	/* Completions can outnumber submissions only transiently: 2x is ample. */
-	p.flags = IORING_SETUP_CQSIZE;
-	p.cq_entries = 2 * eng->cfg.queue_depth;
-	/*
-	 * Completions are run when we enter the kernel anyway, so they need
-	 * not interrupt the task (5.19+); older kernels refuse the flag.
-	 */
-	p.flags |= IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
-	ret = io_uring_queue_init_params(eng->cfg.queue_depth, &eng->ring, &p);
-	if (ret == -EINVAL) {
-		memset(&p, 0, sizeof(p));
-		p.flags = IORING_SETUP_CQSIZE;
-		p.cq_entries = 2 * eng->cfg.queue_depth;
-		ret = io_uring_queue_init_params(eng->cfg.queue_depth, &eng->ring, &p);
-	}
-	if (ret < 0) {
-		phx_err(ret, "io_uring_queue_init(%u) failed%s", eng->cfg.queue_depth,
-			ret == -EPERM ? " (io_uring disabled by sysctl kernel.io_uring_disabled?)" :
-			ret == -ENOSYS ? " (kernel without io_uring)" : "");
+	ret = ring_setup(eng);
+	if (ret < 0)
 		goto err_free;
-	}
 	fixed_files_setup(eng);
 	fixed_bufs_setup(eng);
 	eng->spin_ns = phx_env_u32("PHX_SPIN_NS", 0);
@@ -238,6 +289,10 @@ PHX_EXPORT int phx_engine_destroy(phx_engine *eng)
 	if (!eng)
 		return 0;
 	pthread_mutex_lock(&eng->lock);
+	if ((eng->inflight || eng->pend_head) && engine_thread_check(eng)) {
+		pthread_mutex_unlock(&eng->lock);
+		return -EPERM;
+	}
 	while (eng->inflight || eng->pend_head) {
 		pthread_mutex_unlock(&eng->lock);
 		ret = engine_progress(eng, NULL, -1, true);
@@ -325,6 +380,9 @@ PHX_EXPORT int phx_buf_register(phx_engine *eng, void *addr, size_t len)
 
 	if (!addr || !len)
 		return phx_err(-EINVAL, "phx_buf_register: empty buffer");
+	ret = engine_thread_check(eng);
+	if (ret)
+		return ret;
 	if (!(eng->features & PHX_FEAT_USER_BUFS))
 		return phx_err(-EOPNOTSUPP,
 			       "buffer registration unavailable (kernel without sparse fixed buffers, or disabled)");
@@ -398,9 +456,11 @@ out:
 
 /*
  * Make prepared SQEs visible to the kernel without entering it (lock held).
- * Entering is then one syscall: a plain submit, or submit-and-wait by the
- * reaper with the lock dropped.  Several threads may enter at once; each
- * submits what it finds, so counts are only ever a hint.
+ * Returns how many the kernel has not taken yet - including any an earlier
+ * entry left behind (-EAGAIN, -EBUSY, or a submission that stopped early),
+ * so whoever enters next always submits everything that is ready.
+ * Several threads may enter at once; each submits what it finds, so counts
+ * are only ever a hint.
  */
 static unsigned sq_publish(phx_engine *eng)
 {
@@ -416,51 +476,75 @@ static unsigned sq_publish(phx_engine *eng)
 
 static int enter_once(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 {
-	int ret;
+	unsigned flags = eng->enter_flags;
 
-	do {
-		ret = io_uring_enter(eng->ring.ring_fd, to_submit, wait_nr,
-				     wait_nr ? IORING_ENTER_GETEVENTS : 0, NULL);
-	} while (ret == -EINTR || ret == -EAGAIN);
-	return ret;
+	/* Deferred completion work runs only when we ask for events. */
+	if (wait_nr || (eng->features & PHX_FEAT_DEFER_TASKRUN))
+		flags |= IORING_ENTER_GETEVENTS;
+	return io_uring_enter(eng->enter_fd, to_submit, wait_nr, flags, NULL);
 }
 
 /*
- * Submit in slices of submit_batch SQEs: the kernel prepares a whole slice
- * before the device sees any of it, so on a device with a few microseconds
- * per request (virtio, NVMe) slices keep it busy sooner; measured on the
- * dev box's virtio disk, 4 KiB random reads at QD 32 went from ~0.88x to
- * ~1.0x fio with slices of 4 (docs/bench-io.md).  The last slice waits.
+ * Submit @to_submit SQEs in slices of submit_batch: the kernel prepares a
+ * whole slice before the device sees any of it, so on a device with a few
+ * microseconds per request (virtio, NVMe) slices keep it busy sooner;
+ * measured on the dev box's virtio disk, 4 KiB random reads at QD 32 went
+ * from ~0.88x to ~1.0x fio with slices of 4 (docs/bench-io.md).  The last
+ * slice waits for @wait_nr completions.  Returns the last entry's result:
+ * -EAGAIN / -EBUSY leave the rest in the ring for the next entry.
  */
 static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 {
 	unsigned slice = eng->cfg.submit_batch;
+	int ret;
 
 	while (slice && to_submit > slice) {
-		int ret = enter_once(eng, slice, 0);
-
+		ret = enter_once(eng, slice, 0);
+		if (ret == -EINTR)
+			continue;
 		if (ret <= 0)
-			break;
+			return ret;
 		to_submit -= (unsigned)ret < to_submit ? (unsigned)ret : to_submit;
 	}
-	return enter_once(eng, to_submit, wait_nr);
+	do {
+		ret = enter_once(eng, to_submit, wait_nr);
+	} while (ret == -EINTR);
+	return ret;
 }
 
 void engine_submit_locked(phx_engine *eng)
 {
 	unsigned n;
 
-	if (!eng->unsubmitted)
+	if (!eng->unsubmitted && !io_uring_sq_ready(&eng->ring))
 		return;
 	n = sq_publish(eng);
 	if (!n)
 		return;
 	eng->st.submits++;
 	/*
-	 * -EBUSY (CQ overflow) resolves itself once the reaper runs; the
-	 * SQEs stay in the ring and the next entry submits them.
+	 * -EAGAIN (no memory for requests) and -EBUSY (completions not yet
+	 * reaped) leave the SQEs in the ring: the reaper submits them again
+	 * once it has reaped (engine_progress), with the lock dropped.
 	 */
 	ring_enter(eng, n, 0);
+}
+
+/* Fires after PHX_TICK_NS so that a chunk waiting on a claim is retried. */
+void engine_arm_tick(phx_engine *eng)
+{
+	struct io_uring_sqe *sqe;
+
+	if (eng->tick_armed)
+		return;
+	sqe = io_uring_get_sqe(&eng->ring);
+	if (!sqe)
+		return;
+	io_uring_prep_timeout(sqe, &eng->tick_ts, 0, 0);
+	io_uring_sqe_set_data(sqe, &eng->tick_ts);
+	eng->tick_armed = true;
+	eng->inflight++;
+	eng->unsubmitted++;
 }
 
 /* Handle every completion already posted (lock held, reaping role held). */
@@ -472,11 +556,16 @@ static unsigned reap_locked(phx_engine *eng)
 	do {
 		n = io_uring_peek_batch_cqe(&eng->ring, cqes, 64);
 		for (i = 0; i < n; i++) {
-			struct chunk *c = io_uring_cqe_get_data(cqes[i]);
+			void *data = io_uring_cqe_get_data(cqes[i]);
 			int res = cqes[i]->res;
 
 			io_uring_cqe_seen(&eng->ring, cqes[i]);
-			io_complete_cqe(eng, c, res);
+			if (data == &eng->tick_ts) {
+				eng->tick_armed = false;
+				eng->inflight--;
+				continue;
+			}
+			io_complete_cqe(eng, data, res);
 		}
 		total += n;
 	} while (n == 64);
@@ -484,31 +573,52 @@ static unsigned reap_locked(phx_engine *eng)
 }
 
 /*
- * Submit @n published SQEs and wait for a completion.  A completion often
+ * The kernel took none of our SQEs (-EAGAIN, -EBUSY): wait without
+ * spinning.  With requests of ours in the kernel, until one completes
+ * (which frees what the kernel ran short of); otherwise a short sleep.
+ */
+static int enter_backoff(phx_engine *eng, int ret, bool in_kernel)
+{
+	struct timespec ts = { 0, 50 * 1000 };
+
+	if (io_uring_cq_ready(&eng->ring))
+		return 0;
+	if (in_kernel) {
+		ret = enter_once(eng, 0, 1);
+		return ret == -EINTR ? 0 : ret;
+	}
+	nanosleep(&ts, NULL);
+	return 0;
+}
+
+/*
+ * Submit @n published SQEs and wait for a completion; @in_kernel says
+ * whether requests of ours were already in the kernel.  A completion often
  * follows within microseconds; spinning that long before sleeping saves a
  * wake-up at the price of CPU time (PHX_SPIN_NS; default 0, never spin).
  */
-static int reaper_wait(phx_engine *eng, unsigned n)
+static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel)
 {
 	int64_t until;
+	int ret;
 
 	if (io_uring_cq_ready(&eng->ring))
-		return n ? ring_enter(eng, n, 0) : 0;
-	if (!eng->spin_ns)
-		return ring_enter(eng, n, 1);
-	if (n) {
-		int ret = ring_enter(eng, n, 0);
-
-		if (ret < 0)
-			return ret;
-	}
+		ret = n ? ring_enter(eng, n, 0) : 0;
+	else if (!eng->spin_ns)
+		ret = ring_enter(eng, n, 1);
+	else
+		ret = n ? ring_enter(eng, n, 0) : 0;
+	if (ret == -EAGAIN || ret == -EBUSY)
+		return enter_backoff(eng, ret, in_kernel);
+	if (ret < 0 || !eng->spin_ns || io_uring_cq_ready(&eng->ring))
+		return ret;
 	until = phx_now_ns() + eng->spin_ns;
 	do {
 		if (io_uring_cq_ready(&eng->ring))
 			return 0;
 		/* Completions may wait in task work until we enter the kernel. */
 		if (IO_URING_READ_ONCE(*eng->ring.sq.kflags) & IORING_SQ_TASKRUN)
-			ring_enter(eng, 0, 0);
+			enter_once(eng, 0, 0);
 	} while (phx_now_ns() < until);
 	return ring_enter(eng, 0, 1);
 }
@@ -565,13 +675,14 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		}
 		eng->reaping = true;
 		if (block) {
-			unsigned n = eng->unsubmitted ? sq_publish(eng) : 0;
+			unsigned n = sq_publish(eng);
+			bool in_kernel = eng->inflight > n;
 
 			if (n)
 				eng->st.submits++;
 			pthread_mutex_unlock(&eng->lock);
 			if (deadline < 0) {
-				ret = reaper_wait(eng, n);
+				ret = reaper_wait(eng, n, in_kernel);
 				ret = ret < 0 ? ret : 0;
 			} else {
 				int64_t left = deadline - phx_now_ns();
@@ -580,9 +691,16 @@ int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 					.tv_nsec = left > 0 ? left % 1000000000 : 0,
 				};
 
-				ret = io_uring_wait_cqe_timeout(&eng->ring, &cqe, &kts);
+				ret = n ? ring_enter(eng, n, 0) : 0;
+				if (ret == -EAGAIN || ret == -EBUSY)
+					ret = enter_backoff(eng, ret, in_kernel);
+				if (ret >= 0)
+					ret = io_uring_wait_cqe_timeout(&eng->ring, &cqe, &kts);
 			}
 			pthread_mutex_lock(&eng->lock);
+		} else if (eng->features & PHX_FEAT_DEFER_TASKRUN) {
+			/* Run deferred completion work without waiting. */
+			enter_once(eng, 0, 0);
 		}
 		reap_locked(eng);
 		eng->reaping = false;
@@ -650,6 +768,9 @@ PHX_EXPORT int phx_submit(phx_engine *eng, struct phx_io *const *ios, size_t n)
 
 	if (!eng || (!ios && n))
 		return phx_err(-EINVAL, "phx_submit: NULL argument");
+	ret = engine_thread_check(eng);
+	if (ret)
+		return ret;
 	pthread_mutex_lock(&eng->lock);
 	ret = submit_locked(eng, ios, n, true);
 	pthread_mutex_unlock(&eng->lock);
@@ -662,6 +783,9 @@ PHX_EXPORT int phx_wait(phx_engine *eng, struct phx_io *io, int64_t timeout_ns)
 
 	if (!eng || !io)
 		return phx_err(-EINVAL, "phx_wait: NULL argument");
+	ret = engine_thread_check(eng);
+	if (ret)
+		return ret;
 	while (!io_is_done(io)) {
 		ret = engine_progress(eng, io, timeout_ns, true);
 		if (ret == -ETIME && !io_is_done(io))
@@ -695,6 +819,9 @@ PHX_EXPORT int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n)
 
 	if (!eng || (!ios && n))
 		return phx_err(-EINVAL, "phx_submit_wait: NULL argument");
+	ret = engine_thread_check(eng);
+	if (ret)
+		return ret;
 	if (!n)
 		return 0;
 	if (n > 64) {
@@ -718,9 +845,13 @@ PHX_EXPORT int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n)
 PHX_EXPORT int phx_poll(phx_engine *eng, struct phx_io **done, size_t max)
 {
 	size_t n = 0;
+	int ret;
 
 	if (!eng)
 		return phx_err(-EINVAL, "phx_poll: NULL engine");
+	ret = engine_thread_check(eng);
+	if (ret)
+		return ret;
 	engine_progress(eng, NULL, 0, false);
 	pthread_mutex_lock(&eng->lock);
 	while (n < max && eng->poll_head) {

@@ -66,18 +66,52 @@ static void file_unregister(phx_engine *eng, phx_file *f)
 	f->slot = -1;
 }
 
+/*
+ * The largest folio the page cache may hold of this file: a PMD's worth
+ * (page size x page size / 8: 2 MiB with 4 KiB pages), or the filesystem
+ * block or O_DIRECT alignment where that is larger.  Folios are naturally
+ * aligned, so a range rounded out to this covers every folio it touches.
+ */
+static uint32_t folio_granule(const phx_file *f, const struct stat *st)
+{
+	uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), g;
+
+	if (page < PHX_PAGE)
+		page = PHX_PAGE;
+	g = page * page / 8;
+	if (g > (1u << 30))
+		g = 1u << 30;
+	if (f->offset_align > g)
+		g = f->offset_align;
+	if (st->st_blksize > 0 && (uint64_t)st->st_blksize > g &&
+	    !(st->st_blksize & (st->st_blksize - 1)) && st->st_blksize <= (1 << 30))
+		g = (uint64_t)st->st_blksize;
+	return (uint32_t)g;
+}
+
 static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 		       phx_file **out)
 {
+	struct stat st;
 	phx_file *f;
-	int fl;
+	int fl, ret;
 
 	fl = fcntl(fd, F_GETFL);
 	if (fl < 0)
 		return phx_err(-errno, "fd %d", fd);
+	if (fl & O_APPEND)
+		return phx_err(-EINVAL, "fd %d is open with O_APPEND, which makes the kernel ignore the explicit offsets phx writes at",
+			       fd);
+	if (fstat(fd, &st))
+		return phx_err(-errno, "fstat(%d)", fd);
 	f = calloc(1, sizeof(*f));
 	if (!f)
 		return phx_err(-ENOMEM, "out of memory");
+	ret = inode_get(&st, &f->inode);
+	if (ret) {
+		free(f);
+		return ret;
+	}
 	f->eng = eng;
 	f->fd = fd;
 	f->owns_fd = owns;
@@ -88,19 +122,10 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 		acc = fl & O_ACCMODE;
 	f->readable = acc != O_WRONLY;
 	f->writable = acc != O_RDONLY;
+	f->can_read_back = (fl & O_ACCMODE) != O_WRONLY;
 	f->alt_fd = -1;
-	if (f->direct && (fl & O_ACCMODE) == O_WRONLY) {
-		/*
-		 * Write-only permission: partial blocks cannot be read for a
-		 * read-modify-write, so they are written through the page cache
-		 * (counted as buffered bytes) on a second, buffered descriptor.
-		 */
-		char proc[64];
-
-		snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
-		f->alt_fd = open(proc, O_WRONLY | O_CLOEXEC);
-	}
 	file_alignment(f);
+	f->folio_align = folio_granule(f, &st);
 	pthread_mutex_lock(&eng->lock);
 	file_register(eng, f);
 	f->next = eng->files;
@@ -108,6 +133,27 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 	pthread_mutex_unlock(&eng->lock);
 	*out = f;
 	return 0;
+}
+
+/*
+ * The buffered descriptor partial blocks are written through (eng->lock
+ * held), opened on first use: a reopen of the same file without O_DIRECT.
+ * Returns it, or -errno.
+ */
+int file_alt_fd(phx_file *f)
+{
+	char proc[64];
+	int fd;
+
+	if (f->alt_fd >= 0)
+		return f->alt_fd;
+	snprintf(proc, sizeof(proc), "/proc/self/fd/%d", f->fd);
+	fd = open(proc, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return phx_err(-errno, "fd %d: cannot reopen it without O_DIRECT (through %s) to write a partial block",
+			       f->fd, proc);
+	f->alt_fd = fd;
+	return fd;
 }
 
 static int file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
@@ -223,6 +269,7 @@ static void file_free(phx_engine *eng, phx_file *f)
 		close(f->alt_fd);
 	if (f->owns_fd)
 		close(f->fd);
+	inode_put(f->inode);
 	free(f);
 }
 

@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <time.h>
 #include <liburing.h>
 
@@ -27,6 +28,8 @@
 #define PHX_DEFAULT_SUBMIT_BATCH 4u
 #define PHX_USER_BUF_SLOTS 64u
 #define PHX_PAGE 4096u
+/* How soon a write waiting on another engine's claim is retried. */
+#define PHX_TICK_NS 100000
 
 /* How a request is cut into chunks (decided once, at submission). */
 enum io_mode {
@@ -39,31 +42,55 @@ enum io_mode {
 /* What one in-flight device operation is doing. */
 enum chunk_kind {
 	CH_DIRECT,	/* caller memory, O_DIRECT */
-	CH_BUFFERED,	/* caller memory, page cache */
+	CH_BUFFERED,	/* caller memory, page cache (a buffered file) */
 	CH_BOUNCE_READ,	/* device -> bounce, then copy out */
 	CH_BOUNCE_WRITE,	/* copy in, bounce -> device */
 	CH_RMW_READ,	/* read the blocks a partial write will rewrite */
+	/*
+	 * A partial block that cannot be read back whole (it reaches past the
+	 * end of the file, or the file is write-only): the caller's bytes, and
+	 * no others, through the page cache, then flushed and dropped.
+	 */
+	CH_PC_WRITE,	/* pwrite through the buffered descriptor */
+	CH_PC_SYNC,	/* sync_file_range of what it wrote */
+	CH_PC_DROP,	/* fadvise(DONTNEED): leave no page behind */
 };
+
+/* A write's claim on a byte range of its inode (inode.c says which conflict). */
+enum wclass {
+	WC_DIRECT,	/* whole blocks, O_DIRECT: the exact range */
+	WC_RMW,		/* read-modify-write: rounded out to folio_align */
+	WC_PAGECACHE,	/* through the page cache: rounded out to folio_align */
+	WC_COUNT,
+};
+
+struct wrange {
+	struct wrange *prev, *next;
+	uint64_t off, len;
+	const void *owner;	/* the engine that issued it */
+	uint8_t wclass;		/* enum wclass */
+	bool claimed;
+};
+
+struct phx_inode;
 
 struct phx_file {
 	phx_engine *eng;
+	struct phx_inode *inode;	/* shared by every handle of the file */
 	int fd;
-	int alt_fd;		/* buffered fd for partial blocks, or -1 */
+	int alt_fd;		/* buffered fd for partial blocks, or -1 until needed */
 	bool owns_fd;
 	bool direct;
 	bool readable;
 	bool writable;
+	bool can_read_back;	/* the fd is readable: partial blocks can be RMW'd */
 	int slot;		/* registered-file index, or -1 */
 	uint32_t mem_align;
 	uint32_t offset_align;
+	uint32_t folio_align;	/* the largest folio the page cache may use here */
 	bool align_from_statx;
 	int open_flags;
-	uint32_t refs;		/* requests queued or in flight */
-	uint32_t writes;	/* write requests queued or in flight */
-	/* Since the file's writes last settled (see file_settle()): */
-	uint64_t pad_end;	/* furthest block end a padded write reached */
-	uint64_t base_size;	/* file size the first padded write found */
-	uint64_t wend;		/* furthest end of any write */
+	uint32_t refs;		/* requests queued or in flight, and phx_file_hold()s */
 	struct phx_file *next;	/* engine's list of open files */
 };
 
@@ -96,8 +123,8 @@ struct chunk {
 	uint8_t kind;		/* enum chunk_kind */
 	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
 	bool in_use;
-	bool rmw;		/* a read-modify-write, in either phase */
 	bool alt;		/* on the file's buffered alt_fd */
+	struct wrange wr;	/* a write's claim on its range (inode.c) */
 	int bounce;		/* bounce index, or -1 */
 	int buf_index;		/* fixed-buffer index, or -1 */
 	char *mem;		/* memory of the device op */
@@ -123,7 +150,11 @@ struct phx_engine {
 	bool reaping;		/* a thread owns the completion queue */
 	uint32_t inflight;	/* chunks prepared or submitted */
 	uint32_t unsubmitted;	/* SQEs prepared since the last submit */
-	uint32_t rmw_inflight;	/* chunks with rmw set */
+	bool tick_armed;	/* a retry timeout is in flight (see io_fill) */
+	struct __kernel_timespec tick_ts;
+	int enter_fd;		/* ring fd, or its registered index */
+	unsigned enter_flags;	/* IORING_ENTER_REGISTERED_RING when registered */
+	pid_t owner_tid;	/* PHX_ENGINE_SINGLE_THREAD: the only thread allowed */
 	int64_t spin_ns;	/* how long a reaper spins before sleeping */
 
 	struct chunk *chunks;	/* queue_depth of them */
@@ -157,14 +188,24 @@ void io_fail(phx_engine *eng, struct phx_io *io, int err, bool async);
 void io_fill(phx_engine *eng);
 void io_complete_cqe(phx_engine *eng, struct chunk *c, int res);
 
+/* inode.c: process-wide write-range claims per inode */
+struct stat;
+int inode_get(const struct stat *st, struct phx_inode **out);
+void inode_put(struct phx_inode *n);
+int inode_claim(struct phx_inode *n, struct wrange *r, bool *foreign);
+void inode_release(struct phx_inode *n, struct wrange *r);
+
 /* engine.c */
 void engine_submit_locked(phx_engine *eng);
+void engine_arm_tick(phx_engine *eng);
+int engine_thread_check(const phx_engine *eng);
 void engine_notify(phx_engine *eng);
 int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		    bool block);
 
 /* file.c */
 void file_close_all(phx_engine *eng);
+int file_alt_fd(phx_file *f);
 /*
  * A reference that keeps @f open while work outside the engine (a GPU
  * request) still uses it: phx_file_close() fails with -EBUSY until every

@@ -6,8 +6,8 @@
  * Every function here runs with eng->lock held.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -85,11 +85,6 @@ void io_start(phx_engine *eng, struct phx_io *io, bool async)
 	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
 	p->mode = io_choose_mode(io, p);
 	io->file->refs++;
-	if (io->op == PHX_OP_WRITE) {
-		io->file->writes++;
-		if (p->end > io->file->wend)
-			io->file->wend = p->end;
-	}
 	if (!io->len) {
 		io_finish(eng, io);
 		return;
@@ -106,37 +101,36 @@ void io_start(phx_engine *eng, struct phx_io *io, bool async)
 /* Cutting chunks                                                           */
 /* ------------------------------------------------------------------------ */
 
-static bool ranges_overlap(uint64_t a0, uint64_t alen, uint64_t b0, uint64_t blen)
+/*
+ * A partial block that cannot be read back whole: the caller's bytes of it,
+ * and no others, go through the page cache (CH_PC_WRITE, then CH_PC_SYNC and
+ * CH_PC_DROP).  Nothing past the caller's end is written and nothing is cut
+ * back later, so a file that another writer grew meanwhile keeps its bytes.
+ */
+static int chunk_to_pc(struct chunk *c)
 {
-	return a0 < b0 + blen && b0 < a0 + alen;
+	struct phx_io *io = c->io;
+	int fd = file_alt_fd(io->file);
+
+	if (fd < 0)
+		return fd;
+	c->kind = CH_PC_WRITE;
+	c->op = PHX_OP_WRITE;
+	c->alt = true;
+	c->dev_off = c->user_off;
+	c->dev_len = c->user_len;
+	c->mem = (char *)io->buf + (c->user_off - io->offset);
+	c->done = 0;
+	c->buf_index = -1;
+	io->paths |= PHX_PATH_BUFFERED;
+	return 0;
 }
 
 /*
- * A read-modify-write must not interleave with another write to the same
- * blocks, or one of them would write back stale bytes.
+ * Describe the next chunk of @io into @n; nothing is claimed yet.  Returns
+ * 0, or -errno when the request cannot go on.
  */
-static bool write_conflicts(phx_engine *eng, struct chunk *n)
-{
-	bool n_rmw = n->kind == CH_RMW_READ;
-	uint32_t i;
-
-	if (!n_rmw && !eng->rmw_inflight)
-		return false;
-	for (i = 0; i < eng->cfg.queue_depth; i++) {
-		struct chunk *c = &eng->chunks[i];
-
-		if (!c->in_use || c->io->file != n->io->file)
-			continue;
-		if (!(c->rmw || (n_rmw && c->io->op == PHX_OP_WRITE)))
-			continue;
-		if (ranges_overlap(c->dev_off, c->dev_len, n->dev_off, n->dev_len))
-			return true;
-	}
-	return false;
-}
-
-/* Describe the next chunk of @io into @n; nothing is claimed yet. */
-static void io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
+static int io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
 {
 	struct io_priv *p = io_priv(io);
 	phx_file *f = io->file;
@@ -156,7 +150,7 @@ static void io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
 		n->dev_len = n->user_len = lim - cur < eng->cfg.max_io_size ?
 			lim - cur : eng->cfg.max_io_size;
 		n->mem = (char *)io->buf + (cur - io->offset);
-		return;
+		return 0;
 	}
 	seg_end = p->mode == MODE_SPLIT && cur < p->mid0 ? p->mid0 : p->end;
 	d0 = align_down(cur, a);
@@ -172,19 +166,14 @@ static void io_cut(phx_engine *eng, struct phx_io *io, struct chunk *n)
 		n->kind = CH_BOUNCE_READ;
 	} else if (cur == d0 && ue == d1) {
 		n->kind = CH_BOUNCE_WRITE;
-	} else if (f->alt_fd >= 0) {
-		/* Cannot read it back: the partial blocks go via the page cache. */
-		n->kind = CH_BUFFERED;
-		n->alt = true;
-		n->rmw = true;
-		n->dev_off = cur;
-		n->dev_len = ue - cur;
-		n->mem = (char *)io->buf + (cur - io->offset);
+	} else if (!f->can_read_back) {
+		/* Write-only descriptor: the blocks cannot be read for a merge. */
+		return chunk_to_pc(n);
 	} else {
 		n->kind = CH_RMW_READ;
 		n->op = PHX_OP_READ;
-		n->rmw = true;
 	}
+	return 0;
 }
 
 static int user_buf_index(phx_engine *eng, const char *mem, uint64_t len)
@@ -211,8 +200,18 @@ static void chunk_prep(phx_engine *eng, struct chunk *c)
 	unsigned len = (unsigned)(c->dev_len - c->done);
 	uint64_t off = c->dev_off + c->done;
 
-	/* Chunks never outnumber ring entries, so the SQ cannot be full. */
-	if (c->buf_index >= 0) {
+	/* Chunks (and the one retry tick) never outnumber ring entries. */
+	if (c->kind == CH_PC_SYNC) {
+		/* The whole claim: no folio in it may stay dirty (inode.c). */
+		io_uring_prep_sync_file_range(sqe, fd, (unsigned)c->wr.len, c->wr.off,
+					      SYNC_FILE_RANGE_WAIT_BEFORE |
+					      SYNC_FILE_RANGE_WRITE |
+					      SYNC_FILE_RANGE_WAIT_AFTER);
+	} else if (c->kind == CH_PC_DROP) {
+		/* Every folio the write touched lies inside the claim. */
+		io_uring_prep_fadvise(sqe, fd, c->wr.off, (off_t)c->wr.len,
+				      POSIX_FADV_DONTNEED);
+	} else if (c->buf_index >= 0) {
 		if (c->op == PHX_OP_READ)
 			io_uring_prep_read_fixed(sqe, fd, mem, len, off, c->buf_index);
 		else
@@ -230,22 +229,71 @@ static void chunk_prep(phx_engine *eng, struct chunk *c)
 	eng->st.sqes++;
 }
 
+/*
+ * A write's claim on its byte range (inode.c): the exact range for whole
+ * blocks written directly; rounded out to folios for what reads blocks back
+ * or goes through the page cache.
+ */
+static void chunk_range(phx_engine *eng, struct chunk *c)
+{
+	phx_file *f = c->io->file;
+	uint64_t g = f->folio_align;
+
+	c->wr.owner = eng;
+	switch (c->kind) {
+	case CH_RMW_READ:
+		c->wr.wclass = WC_RMW;
+		break;
+	case CH_PC_WRITE:
+	case CH_BUFFERED:
+		c->wr.wclass = WC_PAGECACHE;
+		break;
+	default:
+		c->wr.wclass = WC_DIRECT;
+		c->wr.off = c->dev_off;
+		c->wr.len = c->dev_len;
+		return;
+	}
+	c->wr.off = align_down(c->dev_off, g);
+	c->wr.len = align_up(c->dev_off + c->dev_len, g) - c->wr.off;
+}
+
+static bool needs_bounce(const struct chunk *c)
+{
+	return c->kind == CH_BOUNCE_READ || c->kind == CH_BOUNCE_WRITE ||
+	       c->kind == CH_RMW_READ;
+}
+
 /* Claim resources for a described chunk; false if it must wait. */
 static bool chunk_claim(phx_engine *eng, struct chunk *n)
 {
-	struct chunk *c;
+	struct chunk *c = eng->free_chunks;
+	bool foreign = false;
 
-	if (!eng->free_chunks)
+	if (!c)
 		return false;
-	if (n->kind >= CH_BOUNCE_READ && !eng->nbounce_free)
+	if (needs_bounce(n) && !eng->nbounce_free)
 		return false;
-	if (n->io->op == PHX_OP_WRITE && write_conflicts(eng, n))
-		return false;
-	c = eng->free_chunks;
-	eng->free_chunks = c->next_free;
-	*c = *n;
+	if (n->io->op == PHX_OP_WRITE) {
+		/* Claimed in place: the claim links the chunk's own wrange. */
+		struct chunk *next = c->next_free;
+
+		*c = *n;
+		chunk_range(eng, c);
+		if (inode_claim(c->io->file->inode, &c->wr, &foreign)) {
+			c->next_free = next;
+			/* Another engine's write is in the way: come back for it. */
+			if (foreign)
+				engine_arm_tick(eng);
+			return false;
+		}
+		eng->free_chunks = next;
+	} else {
+		eng->free_chunks = c->next_free;
+		*c = *n;
+	}
 	c->in_use = true;
-	if (c->kind >= CH_BOUNCE_READ) {
+	if (needs_bounce(c)) {
 		c->bounce = eng->bounce_free[--eng->nbounce_free];
 		c->mem = eng->bounce_mem + (size_t)c->bounce * eng->cfg.bounce_size;
 		if (eng->features & PHX_FEAT_FIXED_BUFS)
@@ -259,8 +307,6 @@ static bool chunk_claim(phx_engine *eng, struct chunk *n)
 	if (c->kind == CH_BOUNCE_WRITE)
 		memcpy(c->mem, (char *)c->io->buf + (c->user_off - c->io->offset),
 		       c->user_len);
-	if (c->rmw)
-		eng->rmw_inflight++;
 	io_priv(c->io)->chunks++;
 	eng->inflight++;
 	chunk_prep(eng, c);
@@ -280,11 +326,13 @@ static void pend_pop(phx_engine *eng)
 
 /*
  * Issue chunks from the pending queue, in order, until the queue depth is
- * reached or the head chunk must wait (no bounce buffer, write conflict).
+ * reached or the head chunk must wait (no bounce buffer, or a write in
+ * flight on the range it must claim).
  */
 void io_fill(phx_engine *eng)
 {
 	struct chunk n;
+	int ret;
 
 	while (eng->pend_head && eng->free_chunks) {
 		struct phx_io *io = eng->pend_head;
@@ -299,7 +347,11 @@ void io_fill(phx_engine *eng)
 				io_finish(eng, io);
 			continue;
 		}
-		io_cut(eng, io, &n);
+		ret = io_cut(eng, io, &n);
+		if (ret) {
+			p->err = ret;
+			continue;
+		}
 		if (!chunk_claim(eng, &n))
 			break;
 		p->cursor = n.user_off + n.user_len;
@@ -310,12 +362,17 @@ void io_fill(phx_engine *eng)
 /* Completion                                                               */
 /* ------------------------------------------------------------------------ */
 
-static void chunk_release(phx_engine *eng, struct chunk *c)
+static void bounce_put(phx_engine *eng, struct chunk *c)
 {
 	if (c->bounce >= 0)
 		eng->bounce_free[eng->nbounce_free++] = c->bounce;
-	if (c->rmw)
-		eng->rmw_inflight--;
+	c->bounce = -1;
+}
+
+static void chunk_release(phx_engine *eng, struct chunk *c)
+{
+	bounce_put(eng, c);
+	inode_release(c->io->file->inode, &c->wr);
 	c->in_use = false;
 	c->next_free = eng->free_chunks;
 	eng->free_chunks = c;
@@ -328,27 +385,36 @@ static void note_eof(struct io_priv *p, uint64_t at)
 		p->eof = at;
 }
 
+static void chunk_done(phx_engine *eng, struct chunk *c);
+
 /* The read half of a read-modify-write finished: merge and write back. */
 static void rmw_merge(phx_engine *eng, struct chunk *c)
 {
 	struct phx_io *io = c->io;
-	phx_file *f = io->file;
-	uint64_t valid = c->done;
+	struct io_priv *p = io_priv(io);
+	int ret;
 
-	if (valid < c->dev_len) {
+	eng->st.rmw_ios++;
+	if (c->done < c->dev_len) {
 		/*
-		 * The file ends inside these blocks: write them padded, and cut
-		 * the file back once its writes have settled (file_settle()).
+		 * The file ends inside these blocks: writing them whole would
+		 * put bytes past the caller's end.  The caller's bytes go
+		 * through the page cache instead (the claim, rounded out to
+		 * pages when it was made, already covers them).
 		 */
-		memset(c->mem + valid, 0, c->dev_len - valid);
-		if (!f->pad_end)
-			f->base_size = c->dev_off + valid;
-		if (c->dev_off + c->dev_len > f->pad_end)
-			f->pad_end = c->dev_off + c->dev_len;
+		bounce_put(eng, c);
+		ret = chunk_to_pc(c);
+		if (ret) {
+			if (!p->err)
+				p->err = ret;
+			chunk_done(eng, c);
+			return;
+		}
+		chunk_prep(eng, c);
+		return;
 	}
 	memcpy(c->mem + (c->user_off - c->dev_off),
 	       (char *)io->buf + (c->user_off - io->offset), c->user_len);
-	eng->st.rmw_ios++;
 	c->kind = CH_BOUNCE_WRITE;
 	c->op = PHX_OP_WRITE;
 	c->done = 0;
@@ -388,6 +454,12 @@ static void chunk_done(phx_engine *eng, struct chunk *c)
 			moved = c->user_len;
 			eng->st.bounce_bytes += moved;
 			break;
+		case CH_PC_WRITE:
+		case CH_PC_SYNC:
+		case CH_PC_DROP:
+			moved = c->user_len;
+			eng->st.buffered_bytes += moved;
+			break;
 		default:
 			moved = c->done;
 			if (c->op == PHX_OP_READ && c->done < c->dev_len)
@@ -406,6 +478,24 @@ static void chunk_done(phx_engine *eng, struct chunk *c)
 		io_finish(eng, io);
 }
 
+/* The flush steps after a page-cache write of a partial block. */
+static void pc_step(phx_engine *eng, struct chunk *c, int res)
+{
+	struct io_priv *p = io_priv(c->io);
+
+	if (c->kind == CH_PC_SYNC) {
+		if (res < 0 && !p->err)
+			p->err = res;
+		if (!p->err) {
+			c->kind = CH_PC_DROP;
+			chunk_prep(eng, c);
+			return;
+		}
+	}
+	/* DONTNEED only keeps the page cache small: its failure loses nothing. */
+	chunk_done(eng, c);
+}
+
 void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
 {
 	struct io_priv *p = io_priv(c->io);
@@ -413,6 +503,10 @@ void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
 
 	if (res == -EAGAIN || res == -EINTR) {
 		chunk_prep(eng, c);
+		return;
+	}
+	if (c->kind == CH_PC_SYNC || c->kind == CH_PC_DROP) {
+		pc_step(eng, c, res);
 		return;
 	}
 	if (res < 0) {
@@ -443,28 +537,12 @@ void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
 		rmw_merge(eng, c);
 		return;
 	}
+	if (c->kind == CH_PC_WRITE && !p->err) {
+		c->kind = CH_PC_SYNC;
+		chunk_prep(eng, c);
+		return;
+	}
 	chunk_done(eng, c);
-}
-
-/*
- * Padded partial-block writes left the file longer than written.  Once no
- * write on it is in flight, cut it back to what a series of pwrite(2)s
- * would have left - unless something else has written further since.
- */
-static int file_settle(phx_file *f)
-{
-	uint64_t target = f->base_size > f->wend ? f->base_size : f->wend;
-	struct stat st;
-	int ret = 0, saved = errno;
-
-	if (fstat(f->fd, &st))
-		ret = -errno;
-	else if ((uint64_t)st.st_size == f->pad_end && f->pad_end > target &&
-		 ftruncate(f->fd, (off_t)target))
-		ret = -errno;
-	f->pad_end = 0;
-	errno = saved;
-	return ret;
 }
 
 static void io_finish(phx_engine *eng, struct phx_io *io)
@@ -472,13 +550,6 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 	struct io_priv *p = io_priv(io);
 	int64_t result;
 
-	if (io->op == PHX_OP_WRITE && !--io->file->writes) {
-		int ret = io->file->pad_end ? file_settle(io->file) : 0;
-
-		io->file->wend = 0;
-		if (ret && !p->err)
-			p->err = ret;
-	}
 	if (p->err) {
 		result = p->err;
 		eng->st.errors++;

@@ -3,7 +3,7 @@
  * Description: error returns.  Missing file -ENOENT, existing file with
  * O_EXCL -EEXIST, a directory opened for writing -EISDIR, write to an
  * O_RDONLY file -EBADF (direct and bounce paths), read from O_WRONLY -EBADF,
- * NULL/invalid arguments -EINVAL, O_APPEND refused, an offset + length that
+ * NULL/invalid arguments -EINVAL, O_APPEND refused (opened or adopted), an offset + length that
  * overflows -EINVAL; each with a message from phx_strerror_last() and the
  * file unchanged.  (errno is checked in errno-untouched.c.)
  */
@@ -37,6 +37,17 @@ int main(void)
 
 	ret = phx_file_open(eng, path, O_RDWR | O_APPEND, 0, 0, &f);
 	T_CHECK(ret == -EINVAL, "O_APPEND: %d", ret);
+	{
+		/* An adopted fd with O_APPEND: the kernel would ignore offsets. */
+		int afd = open(path, O_WRONLY | O_APPEND | O_DIRECT);
+
+		T_CHECK(afd >= 0, "open O_APPEND");
+		ret = phx_file_from_fd(eng, afd, &f);
+		T_CHECK(ret == -EINVAL && strstr(phx_strerror_last(), "O_APPEND"),
+			"adopted O_APPEND fd: %d (%s)", ret, phx_strerror_last());
+		T_CHECK(fcntl(afd, F_GETFL) >= 0, "the caller's fd was closed");
+		close(afd);
+	}
 
 	T_CHECK(phx_file_open(NULL, path, O_RDONLY, 0, 0, &f) == -EINVAL, "NULL engine");
 	T_CHECK(phx_file_open(eng, NULL, O_RDONLY, 0, 0, &f) == -EINVAL, "NULL path");
