@@ -270,7 +270,7 @@ check_skips() {
 	bad=$(sed -n 's/^\[ *[0-9]*s\] SKIPPED \[[0-9]*\] //p' "$1" | grep -Ev "$ALLOWED_SKIPS" || true)
 	if [ -n "$bad" ]; then
 		log "pytest skipped tests for reasons an install step could remove:"
-		printf '  %s\n' "$bad" >&2
+		sed 's/^/  /' <<<"$bad" >&2
 		return 1
 	fi
 	log "pytest skips: $(grep -c '^\[ *[0-9]*s\] SKIPPED' "$1" || true) reasons, all allowed ($ALLOWED_SKIPS)"
