@@ -466,13 +466,10 @@ _BAD_ENGINE = [
     (dict(submit_batch=-1), ValueError, r"^submit_batch must be >= 0, not -1$"),
     (dict(submit_batch=2**32), ValueError, r"^submit_batch must be >= 0, not 4294967296$"),
     (dict(nonsense=1), TypeError, r"unexpected keyword argument 'nonsense'"),
-    # wrong type: refused (the message is Python's comparison error today and
-    # does not name the setting, so only the class is checked)
-    (dict(queue_depth="8"), TypeError, None),
-    pytest.param(dict(queue_depth=1.5), TypeError, None, id="{'queue_depth': 1.5}",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "engine.pyx (Engine.__cinit__) takes a float and truncates it "
-                     "(queue_depth=1.5 gives 1); settings, like offsets, must be integers"))),
+    # wrong type: refused, naming the setting (a float would be truncated)
+    (dict(queue_depth="8"), TypeError, r"^queue_depth must be an integer, not str '8'$"),
+    (dict(queue_depth=1.5), TypeError, r"^queue_depth must be an integer, not float 1\.5$"),
+    (dict(submit_batch=2.0), TypeError, r"^submit_batch must be an integer, not float 2\.0$"),
 ]
 
 

@@ -216,8 +216,12 @@ cdef class Engine:
         cdef int rc
         phx_engine_config_init(&cfg)
         for name, v in (("queue_depth", queue_depth), ("max_io_size", max_io_size),
-                        ("bounce_size", bounce_size), ("bounce_count", bounce_count)):
-            if v is not None and not (0 < v < 2**32):
+                        ("bounce_size", bounce_size), ("bounce_count", bounce_count),
+                        ("submit_batch", submit_batch)):
+            if v is not None and not hasattr(type(v), "__index__"):
+                # settings are counts, like offsets: 1.5 or "8" is a mistake
+                raise TypeError(f"{name} must be an integer, not {type(v).__name__} {v!r}")
+            if v is not None and name != "submit_batch" and not (0 < v < 2**32):
                 raise ValueError(f"{name} must be a positive integer, not {v!r}")
         if queue_depth is not None:
             cfg.queue_depth = queue_depth
