@@ -131,10 +131,10 @@ int nvme_status_errno(uint32_t status)
  * nothing; its device number does.  /sys/dev/char/MAJ:MIN is the generic
  * char device's sysfs node, its "device" link is its parent (the controller
  * nvmeX; for a multipath head it should be the subsystem, not seen here),
- * and the namespace's block
- * device is the parent's child in class "block" whose "nsid" is the
- * namespace's (seen in the guest on Debian's 6.12: .../nvme/nvme0/{ng0n1,nvme0n1}, with
- * ng0n1/device -> ../../nvme0; the char device has no nsid of its own).
+ * and the namespace's block device is the parent's child in class "block"
+ * whose "nsid" is the namespace's (seen in the guest on Debian's 6.12:
+ * .../nvme/nvme0/{ng0n1,nvme0n1}, with ng0n1/device -> ../../nvme0; the
+ * char device has no nsid of its own).
  */
 
 /* Fill @why (if any) and return @err. */
