@@ -426,7 +426,7 @@ def test_stream_deferred_arguments(data_dir, rng, write):
     buf = gpu_poison(n + 100) if not write else torch.from_numpy(rand(rng, n + 100)).cuda()
     src = host(buf) if write else None
     s = torch.cuda.Stream()
-    args = _args(7, 0, 0)
+    args = _args(n, 0, 0)                     # the staging rounds are sized now
     with phx.open(path, "r+") as f:
         with torch.cuda.stream(s):
             _sleep(80)
@@ -435,6 +435,12 @@ def test_stream_deferred_arguments(data_dir, rng, write):
         args[:3] = [n - 3, 4097, 33]          # changed after queueing
         s.synchronize()
         assert args[3] == n - 3, f"bytes_done {args[3]}: arguments taken at call time"
+        # grown beyond the rounds queued for it: refused when the stream gets there
+        grown = _args(5, 0, 0)
+        ctx.stream_deferred(f._c_file, buf.data_ptr(), grown.ctypes.data, write, s.cuda_stream)
+        grown[0] = n
+        s.synchronize()
+        assert grown[3] == -22, grown[3]
     if write:
         want = data.copy()
         want[4097:4097 + n - 3] = src[33:33 + n - 3]

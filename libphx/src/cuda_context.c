@@ -4,8 +4,8 @@
  * and the small pools requests draw from (events, completion-flag slots).
  *
  * A context pins lanes * bufs_per_lane * buf_size bytes of staging memory
- * once (plus one 16 KiB page of completion flags) and starts one lane thread
- * per lane.  Nothing else is pinned later: that product is the bound that
+ * once (plus 20 KiB of completion flags and 512 KiB of copy descriptors) and
+ * starts one lane thread per lane.  Nothing else is pinned later: that product is the bound that
  * phx_cuda_stats.pinned_bytes reports.
  */
 #include <errno.h>
@@ -20,6 +20,9 @@
 /* the flag page: CU_SLOTS words for stream ops, one more for the probe */
 #define FLAGS_BYTES (CU_SLOTS * 4u + 4096u)
 #define PROBE_SLOT CU_SLOTS
+#define DESCS_BYTES (CU_DESCS * sizeof(struct cu_copy_desc))
+
+#include "cuda_copy_ptx.h"
 
 /* ------------------------------------------------------------------------ */
 /* Configuration                                                            */
@@ -173,48 +176,32 @@ void slot_put_locked(phx_cuda *c, uint32_t slot)
 }
 
 /*
- * The event recorded after a stream op's wait: until it completes, the GPU
- * may still read the flag page, so destroy synchronises these first.  They
- * are recycled here once complete (a cheap query of the oldest).
+ * @n copy descriptors for the rounds of one stream op (st[i].desc).  They
+ * are handed back when the request is released, once the stream has run
+ * every kernel that reads them.
  */
-void linger_add_locked(phx_cuda *c, CUevent ev)
+int descs_get(phx_cuda *c, struct cu_stage *st, uint32_t n)
 {
-	/* no memory to remember it: then the flag page simply stays mapped */
-	if (!vec_push(&c->linger, &c->nlinger, &c->linger_cap, ev))
-		c->flags_pinned_forever = true;
-}
-
-static void linger_reap(phx_cuda *c)
-{
-	CUevent ev = NULL;
+	uint32_t i;
 
 	pthread_mutex_lock(&c->lock);
-	if (c->nlinger)
-		ev = c->linger[0];
-	pthread_mutex_unlock(&c->lock);
-	if (!ev || c->d->EventQuery(ev) != CUDA_SUCCESS)
-		return;
-	pthread_mutex_lock(&c->lock);
-	if (c->nlinger && c->linger[0] == ev) {
-		memmove(c->linger, c->linger + 1, (c->nlinger - 1) * sizeof(*c->linger));
-		c->nlinger--;
-		if (!vec_push(&c->ev_free, &c->nev_free, &c->ev_cap, ev))
-			ev = NULL;	/* destroyed below */
-		else
-			ev = (CUevent)1;
+	if (c->ndesc_free < n) {
+		pthread_mutex_unlock(&c->lock);
+		return cu_err(-EAGAIN, "stream operations in flight hold all %u copy descriptors",
+			      CU_DESCS);
 	}
+	for (i = 0; i < n; i++)
+		st[i].desc = c->desc_free[--c->ndesc_free];
 	pthread_mutex_unlock(&c->lock);
-	if (ev && ev != (CUevent)1)
-		c->d->EventDestroy(ev);
+	return 0;
 }
 
-/* Called by stream-op submission: recycle a few settled pass events. */
-void ctx_housekeeping(phx_cuda *c)
+void descs_put_locked(phx_cuda *c, struct cu_stage *st, uint32_t n)
 {
-	int i;
+	uint32_t i;
 
-	for (i = 0; i < 2; i++)
-		linger_reap(c);
+	for (i = 0; i < n; i++)
+		c->desc_free[c->ndesc_free++] = st[i].desc;
 }
 
 void stat_add(phx_cuda *c, uint64_t *field, uint64_t n)
@@ -269,7 +256,50 @@ static int flags_setup(phx_cuda *c)
 	for (i = 0; i < CU_SLOTS; i++)
 		c->slot_free[i] = CU_SLOTS - 1 - i;
 	c->nslot_free = CU_SLOTS;
+
+	c->descs = mmap(NULL, DESCS_BYTES, PROT_READ | PROT_WRITE,
+			MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+	if (c->descs == MAP_FAILED) {
+		c->descs = NULL;
+		return cu_err(-ENOMEM, "cannot map the copy descriptors");
+	}
+	r = c->d->MemHostRegister(c->descs, DESCS_BYTES,
+				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostRegister (copy descriptors)");
+	c->descs_registered = true;
+	r = c->d->MemHostGetDevicePointer(&c->descs_d, c->descs, 0);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (copy descriptors)");
+	c->desc_free = calloc(CU_DESCS, sizeof(*c->desc_free));
+	if (!c->desc_free)
+		return cu_err(-ENOMEM, "out of memory");
+	for (i = 0; i < CU_DESCS; i++)
+		c->desc_free[i] = CU_DESCS - 1 - i;
+	c->ndesc_free = CU_DESCS;
 	return 0;
+}
+
+/*
+ * The copy kernel of stream-ordered requests (cuda_copy.cu as PTX; the
+ * driver compiles it for this device).  Without it stream ops are refused.
+ */
+static bool kernel_load(phx_cuda *c)
+{
+	uint32_t blocks = c->cfg.buf_size / (256u * 16u * 4u);
+
+	if (c->d->ModuleLoadData(&c->module, cuda_copy_ptx) != CUDA_SUCCESS) {
+		c->module = NULL;
+		return false;
+	}
+	if (c->d->ModuleGetFunction(&c->copy_fn, c->module, "phx_copy") != CUDA_SUCCESS) {
+		c->d->ModuleUnload(c->module);
+		c->module = NULL;
+		return false;
+	}
+	/* a staging round in a few passes of 256 threads x 16 bytes */
+	c->copy_blocks = blocks < 8 ? 8 : blocks > 264 ? 264 : blocks;
+	return true;
 }
 
 /*
@@ -322,7 +352,7 @@ static int ctx_setup(phx_cuda *c)
 	ret = flags_setup(c);
 	if (ret)
 		return ret;
-	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c);
+	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c) && kernel_load(c);
 	c->batch_copy = !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY) && batch_copy_works(c);
 	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);
 	c->nlanes = c->cfg.lanes;
@@ -335,7 +365,7 @@ static int ctx_setup(phx_cuda *c)
 			return ret;
 	}
 	c->st.staging_bytes = (uint64_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size;
-	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES;
+	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES + DESCS_BYTES;
 	return 0;
 }
 
@@ -417,8 +447,9 @@ fail_free:
 
 /*
  * Wait until every request has finished, including stream operations whose
- * streams have not reached them yet: their host functions and waits refer
- * to this context's memory, so it can only go once they have run.
+ * streams have not reached them yet: their waits, kernels and host functions
+ * refer to this context's memory, so it can only go once the stream has run
+ * the last of them (a stream op is released by its final host function).
  */
 static void wait_idle(phx_cuda *c)
 {
@@ -452,12 +483,6 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 		return 0;
 	wait_idle(c);
 	if (ctx_push(c) == 0) {
-		/* the GPU may still poll flags of finished stream ops */
-		for (i = 0; i < c->nlinger; i++) {
-			c->d->EventSynchronize(c->linger[i]);
-			c->d->EventDestroy(c->linger[i]);
-		}
-		c->nlinger = 0;
 		for (i = 0; c->lanes && i < c->nlanes; i++)
 			lane_stop(c, &c->lanes[i]);
 		files_drop(c);	/* registered ones: their lane files first */
@@ -465,17 +490,23 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 			lane_free(c, &c->lanes[i]);
 		while (c->nev_free)
 			c->d->EventDestroy(c->ev_free[--c->nev_free]);
-		if (c->flags_registered && !c->flags_pinned_forever)
+		if (c->flags_registered)
 			c->d->MemHostUnregister(c->flags);
+		if (c->descs_registered)
+			c->d->MemHostUnregister(c->descs);
+		if (c->module)
+			c->d->ModuleUnload(c->module);
 		ctx_pop(c);
 	}
-	if (c->flags && !c->flags_pinned_forever)
+	if (c->flags)
 		munmap(c->flags, FLAGS_BYTES);
+	if (c->descs)
+		munmap(c->descs, DESCS_BYTES);
 	while ((rq = c->free_reqs)) {
 		c->free_reqs = rq->next;
 		free(rq);
 	}
-	free(c->linger);
+	free(c->desc_free);
 	free(c->ev_free);
 	free(c->slot_free);
 	free(c->slot_seq);

@@ -142,6 +142,10 @@ static void drv_load(void)
 	SYM(MemAlloc, "cuMemAlloc_v2");
 	SYM(MemFree, "cuMemFree_v2");
 	SYM(LaunchHostFunc, "cuLaunchHostFunc");
+	SYM(ModuleLoadData, "cuModuleLoadData");
+	SYM(ModuleUnload, "cuModuleUnload");
+	SYM(ModuleGetFunction, "cuModuleGetFunction");
+	SYM(LaunchKernel, "cuLaunchKernel");
 	SYM(GetErrorString, "cuGetErrorString");
 	SYM(PointerGetAttribute, "cuPointerGetAttribute");
 #undef SYM

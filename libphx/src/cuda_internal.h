@@ -34,6 +34,8 @@
 #define CU_MAX_BUFS 1024u	/* lanes * bufs_per_lane */
 #define CU_MAX_PIECES 64u	/* request pieces packed into one staging buffer */
 #define CU_SLOTS 4096u		/* stream operations in flight per context */
+#define CU_DESCS 16384u		/* copy descriptors (stream-op rounds) in flight */
+#define CU_MAX_STAGES 4096u	/* staging rounds of one stream operation */
 
 /* ------------------------------------------------------------------------ */
 /* The driver API, declared by hand (cuda_driver.c)                         */
@@ -45,6 +47,8 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef uint64_t CUdeviceptr;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 typedef void (*CUhostFn)(void *user);
 
 enum {
@@ -109,6 +113,11 @@ struct cu_driver {
 	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
 	CUresult (*MemFree)(CUdeviceptr);
 	CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *);
+	CUresult (*ModuleLoadData)(CUmodule *, const void *);
+	CUresult (*ModuleUnload)(CUmodule);
+	CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
+	CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+				 unsigned, unsigned, unsigned, CUstream, void **, void **);
 	CUresult (*GetErrorString)(CUresult, const char **);
 	CUresult (*PointerGetAttribute)(void *, int, CUdeviceptr);
 	/* CUDA >= 12.8 (the 12.8 ABI, with failIdx), else NULL */
@@ -154,6 +163,25 @@ struct cu_file {
 	phx_file *lf[];			/* per lane; created and used by that lane */
 };
 
+/*
+ * One staging round of a stream-ordered request: queued at submission on
+ * the caller's stream as "wait for the flag to reach seq + 1 + index", the
+ * copy kernel on the descriptor, a host function (stage_done_fn).
+ */
+struct cu_stage {
+	struct cu_req *rq;
+	struct cu_sbuf *b;		/* its staging buffer, or NULL (no bytes) */
+	uint32_t index;
+	uint32_t desc;			/* descriptor slot */
+	bool ready;			/* descriptor written (c->lock) */
+	int gpu_done;			/* the kernel ran (host function) */
+};
+
+/* What the copy kernel reads (cuda_copy.cu), in pinned device-mapped memory. */
+struct cu_copy_desc {
+	uint64_t src, dst, len, pad;
+};
+
 /* An event on a producer stream that host-async copies wait for. */
 struct cu_after {
 	CUevent ev;
@@ -177,7 +205,15 @@ struct cu_req {
 	uint64_t base;
 	int64_t *bytes_done;
 	uint32_t slot, seq;		/* the flag the caller's stream waits on */
-	CUevent pass_ev;		/* recorded after that wait */
+	struct cu_stage *stages;	/* one per staging round queued */
+	uint32_t nstages;
+	uint32_t stage_next;		/* next round to cut (c->lock) */
+	uint32_t prefix;		/* rounds whose flag is raised (c->lock) */
+	uint32_t raised;		/* flag value stored last (c->lock) */
+	uint32_t needed;		/* rounds that carry bytes, once cut */
+	int written;			/* stream writes: rounds in the file */
+	bool publish_claimed;		/* c->lock */
+	uint64_t alloc_lo, alloc_hi;	/* the GPU allocation, found at submission */
 	/* resolved arguments */
 	uint64_t devptr, off, len, end;
 	uint64_t cursor;		/* next file offset to hand out (c->lock) */
@@ -202,9 +238,15 @@ bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size
 	    bool first);
 void rq_piece_io(struct cu_piece *p);
 void rq_piece_done(struct cu_piece *p);
+void rq_piece_done_ref(struct cu_req *rq);
+void rq_piece_done_n(struct cu_req *rq, int n);
+void rq_abandon(struct cu_req *rq, int err);
 void rq_fail(struct cu_req *rq, int64_t err);
 void rq_finish(struct cu_req *rq);
-void rq_abandon(struct cu_req *rq, int err);
+void rq_stage_fill(struct cu_stage *st, struct cu_piece *p, uint64_t staging_d);
+void rq_stages_advance(struct cu_req *rq);
+void rq_stage_written(struct cu_stage *st, struct cu_piece *p);
+void rq_stages_cut_done_locked(struct cu_req *rq);
 struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
 void cf_put(phx_cuda *c, struct cu_file *cf);
 int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
@@ -230,6 +272,7 @@ enum sb_state {
 	SB_FREE,
 	SB_IO,		/* file I/O in flight (read: first; write: last) */
 	SB_COPY,	/* copies in flight on the lane's stream */
+	SB_GPU,		/* stream-op round: waiting for its kernel's host function */
 };
 
 struct cu_lane;
@@ -242,6 +285,7 @@ struct cu_sbuf {
 	uint32_t fill, npieces, ios_left;
 	CUevent ev;			/* recorded after the copies */
 	int copied;			/* set by the lane stream's host function */
+	struct cu_stage *stage;		/* a stream-op round: its one piece */
 	int64_t started_ns;		/* when the copies were queued */
 	struct cu_piece pieces[CU_MAX_PIECES];
 };
@@ -257,6 +301,7 @@ struct cu_lane {
 	phx_engine *eng;
 	int efd;			/* the engine's eventfd: CQEs, wakeups */
 	char *mem;
+	CUdeviceptr mem_d;		/* the same memory, as the GPU sees it */
 	size_t mem_len;
 	bool cuda_registered;
 	bool uring_registered;
@@ -297,15 +342,20 @@ struct phx_cuda {
 	uint32_t *slot_free;		/* stack of free flag slots */
 	uint32_t nslot_free;
 	uint32_t *slot_seq;		/* last sequence number of each slot */
-	CUevent *linger;		/* pass events of finished stream ops */
-	size_t nlinger, linger_cap;
+	uint32_t *desc_free;		/* stack of free copy descriptors */
+	uint32_t ndesc_free;
 	CUevent *ev_free;		/* event pool */
 	size_t nev_free, ev_cap;
 
 	uint32_t *flags;		/* CU_SLOTS words, device-mapped */
-	bool flags_pinned_forever;	/* a pass event was lost: never unmap */
 	CUdeviceptr flags_d;
 	bool flags_registered;
+	struct cu_copy_desc *descs;	/* CU_DESCS, device-mapped */
+	CUdeviceptr descs_d;
+	bool descs_registered;
+	CUmodule module;		/* the copy kernel */
+	CUfunction copy_fn;
+	unsigned copy_blocks;
 
 	pthread_mutex_t done_lock;
 	pthread_cond_t done_cond;
@@ -321,8 +371,8 @@ int ev_get(phx_cuda *c, CUevent *ev);
 void ev_put(phx_cuda *c, CUevent ev);
 int slot_get(phx_cuda *c, uint32_t *slot, uint32_t *seq);
 void slot_put_locked(phx_cuda *c, uint32_t slot);
-void linger_add_locked(phx_cuda *c, CUevent ev);
+int descs_get(phx_cuda *c, struct cu_stage *st, uint32_t n);
+void descs_put_locked(phx_cuda *c, struct cu_stage *st, uint32_t n);
 void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
-void ctx_housekeeping(phx_cuda *c);
 
 #endif /* PHX_CUDA_INTERNAL_H */

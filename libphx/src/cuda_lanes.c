@@ -114,7 +114,7 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 {
 	phx_cuda *c = ln->c;
 	struct cu_sbuf *b = free_buf(ln);
-	struct cu_req *rq;
+	struct cu_req *rq, *advance = NULL;
 
 	if (!b)
 		return NULL;
@@ -152,11 +152,21 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 	b->op = rq->op;
 	b->fill = 0;
 	b->npieces = 0;
+	b->stage = NULL;
+	/*
+	 * Host-async requests share a buffer; a stream op's round has one to
+	 * itself (its kernel copies one contiguous range).
+	 */
 	while (rq && rq->state == RQ_READY && rq->op == b->op &&
-	       b->npieces < CU_MAX_PIECES) {
+	       b->npieces < CU_MAX_PIECES && !b->stage &&
+	       (!rq->stream_op || !b->npieces)) {
 		if (!rq_cut(rq, &b->pieces[b->npieces], &b->fill, c->cfg.buf_size,
 			    b->npieces == 0))
 			break;
+		if (rq->stream_op) {
+			b->stage = &rq->stages[rq->stage_next++];
+			__atomic_store_n(&b->stage->b, b, __ATOMIC_RELEASE);
+		}
 		b->npieces++;
 		if (rq->cursor < rq->end)
 			continue;
@@ -165,10 +175,16 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 		if (!c->ready_head)
 			c->ready_tail = NULL;
 		rq->state = RQ_CUT;
+		if (rq->stream_op) {
+			rq_stages_cut_done_locked(rq);
+			advance = rq;
+		}
 		__atomic_sub_fetch(&rq->pieces, 1, __ATOMIC_ACQ_REL);
 		rq = c->ready_head;
 	}
 	pthread_mutex_unlock(&c->lock);
+	if (advance)
+		rq_stages_advance(advance);
 	if (!b->npieces)
 		return NULL;
 	b->state = SB_IO;
@@ -434,12 +450,45 @@ static void buf_copy(struct cu_lane *ln, struct cu_sbuf *b, const struct copy_li
 	}
 }
 
+static uint64_t staging_d(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	return ln->mem_d + (uint64_t)(b->mem - ln->mem);
+}
+
+/* A stream op's round is over: its buffer is free, its reference goes. */
+static void buf_release_round(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	struct cu_req *rq = b->stage->rq;
+
+	b->stage = NULL;
+	b->npieces = 0;
+	b->state = SB_FREE;
+	rq_piece_done_ref(rq);
+}
+
 /* Reads: the file I/O of every piece is over; copy what arrived. */
 static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	struct copy_list cl;
 	uint32_t i;
 
+	if (b->stage) {
+		/* a stream op's round: the kernel on the caller's stream copies */
+		struct cu_piece *p = &b->pieces[0];
+		struct cu_stage *st = b->stage;
+
+		if (p->io_started)
+			rq_piece_io(p);
+		if (b->op == PHX_OP_WRITE) {
+			rq_stage_written(st, p);
+			buf_release_round(ln, b);
+			return;
+		}
+		b->state = SB_GPU;
+		rq_stage_fill(st, p, staging_d(ln, b));
+		rq_stages_advance(st->rq);
+		return;
+	}
 	if (b->op == PHX_OP_WRITE) {
 		for (i = 0; i < b->npieces; i++)
 			if (b->pieces[i].io_started)
@@ -472,6 +521,13 @@ static void buf_start_write(struct cu_lane *ln, struct cu_sbuf *b)
 	struct copy_list cl;
 	uint32_t i;
 
+	if (b->stage) {
+		/* the kernel on the caller's stream fills it; then the file */
+		b->state = SB_GPU;
+		rq_stage_fill(b->stage, &b->pieces[0], staging_d(ln, b));
+		rq_stages_advance(b->stage->rq);
+		return;
+	}
 	cl.n = 0;
 	for (i = 0; i < b->npieces; i++) {
 		struct cu_piece *p = &b->pieces[i];
@@ -498,6 +554,16 @@ static bool lane_copied(struct cu_lane *ln)
 		struct cu_sbuf *b = &ln->bufs[i];
 		CUresult r;
 
+		if (b->state == SB_GPU) {
+			if (!__atomic_load_n(&b->stage->gpu_done, __ATOMIC_ACQUIRE))
+				continue;
+			any = true;
+			if (b->op == PHX_OP_READ)
+				buf_release_round(ln, b);
+			else
+				buf_start_io(ln, b);
+			continue;
+		}
 		if (b->state != SB_COPY)
 			continue;
 		if (__atomic_load_n(&b->copied, __ATOMIC_ACQUIRE)) {
@@ -615,10 +681,15 @@ int lane_setup(phx_cuda *c, struct cu_lane *ln, uint32_t index)
 		ln->mem = NULL;
 		return cu_err(-ENOMEM, "mmap of %zu staging bytes failed", ln->mem_len);
 	}
-	r = d->MemHostRegister(ln->mem, ln->mem_len, CU_MEMHOSTREGISTER_PORTABLE);
+	/* device-mapped too: the copy kernel of stream ops reads and writes it */
+	r = d->MemHostRegister(ln->mem, ln->mem_len,
+			       CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
 	if (r != CUDA_SUCCESS)
 		return cu_fail(d, r, "cuMemHostRegister (staging buffers)");
 	ln->cuda_registered = true;
+	r = d->MemHostGetDevicePointer(&ln->mem_d, ln->mem, 0);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(d, r, "cuMemHostGetDevicePointer (staging buffers)");
 
 	phx_engine_config_init(&ec);
 	per_buf = (c->cfg.buf_size + c->cfg.max_io_size - 1) / c->cfg.max_io_size;

@@ -46,6 +46,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 
 #include "cuda_internal.h"
 
@@ -344,30 +345,123 @@ static void arrive_fn(void *arg)
 }
 
 /*
- * A stream-ordered request on @s.  With @io set (phx_cuda_submit_stream)
- * its fields are the arguments; otherwise the pointers are, and @io is
- * owned (or NULL).  Returns 0 once queued: from then on the request always
- * finishes, with its result in *@bytes_done.
+ * CUDA's callback thread: the stream ran round @st's kernel.  A round with a
+ * staging buffer hands it back to its lane (a read's buffer is free, a
+ * write's bytes can go to the file); one without is over.
+ */
+static void stage_done_fn(void *arg)
+{
+	struct cu_stage *st = arg;
+	struct cu_sbuf *b = __atomic_load_n(&st->b, __ATOMIC_ACQUIRE);
+
+	if (b) {
+		__atomic_store_n(&st->gpu_done, 1, __ATOMIC_RELEASE);
+		eventfd_write(b->ln->efd, 1);
+	} else {
+		rq_piece_done_ref(st->rq);
+	}
+}
+
+/* CUDA's callback thread: the stream is past the request's last operation. */
+static void release_fn(void *arg)
+{
+	rq_piece_done_ref(arg);
+}
+
+/* How many staging rounds a request of @size at any offset can need. */
+static uint32_t rounds_for(phx_cuda *c, uint64_t size, uint32_t align)
+{
+	uint64_t n = (size + 2ull * align + c->cfg.buf_size - 1) / c->cfg.buf_size;
+
+	return n < 1 ? 1 : n > CU_MAX_STAGES ? CU_MAX_STAGES : (uint32_t)n;
+}
+
+/*
+ * Queue the request's GPU work on @s, all of it, now: the arrival host
+ * function, then per round a flag wait, the copy kernel and a host
+ * function, then (writes) a wait for the file side and the release host
+ * function.  Returns how many host functions that hold a reference were
+ * queued (stage_done_fn and release_fn), or -errno if not even the arrival
+ * could be queued.
+ */
+static int stream_enqueue(phx_cuda *c, struct cu_req *rq, CUstream s, int *queued)
+{
+	const struct cu_driver *d = c->d;
+	CUdeviceptr flag = c->flags_d + 4ull * rq->slot;
+	unsigned threads = 256;
+	CUresult r;
+	uint32_t k;
+
+	*queued = 0;
+	r = d->LaunchHostFunc(s, arrive_fn, rq);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(d, r, "cuLaunchHostFunc (stream-ordered request)");
+	for (k = 0; k < rq->nstages; k++) {
+		CUdeviceptr desc = c->descs_d + (uint64_t)rq->stages[k].desc * sizeof(struct cu_copy_desc);
+		void *params[] = { &desc };
+
+		r = d->StreamWaitValue32(s, flag, rq->seq + 1 + k, CU_STREAM_WAIT_VALUE_GEQ);
+		if (r == CUDA_SUCCESS)
+			r = d->LaunchKernel(c->copy_fn, c->copy_blocks, 1, 1, threads, 1, 1, 0, s,
+					    params, NULL);
+		if (r == CUDA_SUCCESS)
+			r = d->LaunchHostFunc(s, stage_done_fn, &rq->stages[k]);
+		if (r != CUDA_SUCCESS)
+			goto broken;
+		(*queued)++;
+	}
+	if (rq->op == PHX_OP_WRITE) {
+		r = d->StreamWaitValue32(s, flag, rq->seq + 1 + rq->nstages,
+					 CU_STREAM_WAIT_VALUE_GEQ);
+		if (r != CUDA_SUCCESS)
+			goto broken;
+	}
+	r = d->LaunchHostFunc(s, release_fn, rq);
+	if (r != CUDA_SUCCESS)
+		goto broken;
+	(*queued)++;
+	return 0;
+broken:
+	/* the request arrives anyway and fails there; what is queued runs */
+	rq_fail(rq, cu_fail(d, r, "queueing a stream-ordered request"));
+	return 0;
+}
+
+/*
+ * A stream-ordered request on @s.  With @io set and not @owned
+ * (phx_cuda_submit_stream) its fields are the arguments; otherwise the
+ * pointers are.  Either way they are read when the stream gets there; the
+ * values now only size the rounds queued (a request that needs more rounds
+ * when it arrives, because its size grew, fails with -EINVAL).  Returns 0
+ * once queued: from then on the request always finishes, with its result in
+ * *@bytes_done / io->result.
  */
 int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 	      uint32_t op, uint64_t base, const size_t *size_p,
 	      const int64_t *foff_p, const int64_t *boff_p, int64_t *bytes_done,
 	      CUstream s)
 {
-	const struct cu_driver *d = c->d;
 	struct cu_req *rq;
-	CUresult r;
-	int ret, err = 0;
+	uint64_t planned, range[2] = { 0, 0 }, probe;
+	int ret, err = 0, queued;
+	uint32_t k, slots;
 
 	if (!c->memops)
-		return cu_err(-ENOTSUP, "stream-ordered I/O needs stream memory operations (cuStreamWaitValue32), which this context does not have");
+		return cu_err(-ENOTSUP, "stream-ordered I/O needs stream memory operations (cuStreamWaitValue32) and the copy kernel, which this context does not have");
 	if (!f)
 		return cu_err(-EINVAL, "NULL file");
 	if (op != PHX_OP_READ && op != PHX_OP_WRITE)
 		return cu_err(-EINVAL, "unknown op %u", op);
 	if (!io && (!size_p || !foff_p || !boff_p))
 		return cu_err(-EINVAL, "NULL size or offset pointer");
-	ctx_housekeeping(c);
+	planned = io && !owned ? io->len : *size_p;
+	probe = io && !owned ? io->devptr : base;
+	/* the allocation, found now: lanes check against it without CUDA calls */
+	if (probe) {
+		ret = cu_check_devptr(c, probe, 1, range);
+		if (ret)
+			return ret;
+	}
 	rq = rq_alloc(c);
 	if (!rq)
 		return cu_err(-ENOMEM, "out of memory");
@@ -386,48 +480,66 @@ int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 	rq->foff_p = foff_p;
 	rq->boff_p = boff_p;
 	rq->bytes_done = bytes_done;
+	rq->alloc_lo = range[0];
+	rq->alloc_hi = range[1];
 	rq->state = RQ_WAITING;
+	rq->nstages = rounds_for(c, planned, rq->cf->align);
+	rq->stages = calloc(rq->nstages, sizeof(*rq->stages));
+	if (!rq->stages) {
+		cf_put(c, rq->cf);
+		free(rq);
+		return cu_err(-ENOMEM, "out of memory");
+	}
+	for (k = 0; k < rq->nstages; k++) {
+		rq->stages[k].rq = rq;
+		rq->stages[k].index = k;
+	}
+	ret = descs_get(c, rq->stages, rq->nstages);
+	if (ret) {
+		cf_put(c, rq->cf);
+		free(rq->stages);
+		free(rq);
+		return ret;
+	}
+	ret = slot_get(c, &rq->slot, &rq->seq);
+	if (ret) {
+		pthread_mutex_lock(&c->lock);
+		descs_put_locked(c, rq->stages, rq->nstages);
+		pthread_mutex_unlock(&c->lock);
+		cf_put(c, rq->cf);
+		free(rq->stages);
+		free(rq);
+		return ret;
+	}
+	/* the slot's counter moves on by every round (and the file side) */
+	slots = rq->nstages + (op == PHX_OP_WRITE ? 1 : 0);
+	pthread_mutex_lock(&c->lock);
+	c->slot_seq[rq->slot] = rq->seq + slots;
+	pthread_mutex_unlock(&c->lock);
+	rq->raised = rq->seq;
 	if (io) {
 		io->done = 0;
 		io->result = 0;
 	}
-	ret = slot_get(c, &rq->slot, &rq->seq);
-	if (ret) {
-		cf_put(c, rq->cf);
-		free(rq);
-		return ret;
-	}
-	if (ev_get(c, &rq->pass_ev))
-		rq->pass_ev = NULL;
+	/*
+	 * References: cutting (1), each round's host function, the release
+	 * host function, and this call's own while it queues.
+	 */
+	rq->pieces = 1 + (int)rq->nstages + 1 + 1;
 	live_inc(c);
 
 	ret = ctx_push(c);
+	if (!ret) {
+		ret = stream_enqueue(c, rq, s, &queued);
+		ctx_pop(c);
+	}
 	if (ret) {
 		rq_abandon(rq, ret);
 		return ret;
 	}
-	r = d->LaunchHostFunc(s, arrive_fn, rq);
-	if (r != CUDA_SUCCESS) {
-		ctx_pop(c);
-		ret = cu_fail(d, r, "cuLaunchHostFunc (stream-ordered request)");
-		rq_abandon(rq, ret);
-		return ret;
-	}
-	/*
-	 * From here the request will arrive whatever happens: if the stream
-	 * cannot be made to wait, the request fails when it gets there.
-	 */
-	r = d->StreamWaitValue32(s, c->flags_d + 4ull * rq->slot, rq->seq,
-				 CU_STREAM_WAIT_VALUE_GEQ);
-	if (r != CUDA_SUCCESS)
-		rq_fail(rq, cu_fail(d, r, "cuStreamWaitValue32 (stream-ordered request)"));
-	if (rq->pass_ev && d->EventRecord(rq->pass_ev, s) != CUDA_SUCCESS) {
-		/* cannot tell when the GPU is past the flag: it stays mapped */
-		ev_put(c, rq->pass_ev);
-		rq->pass_ev = NULL;
-	}
-	ctx_pop(c);
 	stat_add(c, &c->st.stream_ops, 1);
+	/* host functions never queued never drop their references */
+	rq_piece_done_n(rq, (int)(rq->nstages + 1) - queued + 1);
 	return 0;
 }
 
@@ -454,16 +566,16 @@ void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n)
 }
 
 /*
- * A lane, on an RQ_ARRIVED request (no lock held): read the arguments, as
+ * A lane, on an arrived stream op (no lock held): read the arguments, as
  * the stream found them, and check them.  Returns 0 when the request is
- * RQ_READY for cutting, 1 when it finished here (bad arguments, zero
- * length, or an error from queueing).
+ * RQ_READY for cutting, 1 when there is nothing to move (bad arguments,
+ * zero length, or an error from queueing): then its rounds are released
+ * empty and the result is published as they go.
  */
 int rq_resolve(struct cu_req *rq)
 {
 	phx_cuda *c = rq->c;
 	int64_t foff, boff;
-	int ret;
 
 	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
 		goto finish;
@@ -484,9 +596,18 @@ int rq_resolve(struct cu_req *rq)
 	}
 	if (!rq->len)
 		goto finish;
-	ret = cu_check_devptr(c, rq->devptr, rq->len, NULL);
-	if (ret) {
-		rq_fail(rq, ret);
+	/* no CUDA call here: the allocation was looked up at submission */
+	if (rq->devptr < rq->alloc_lo || rq->devptr + rq->len > rq->alloc_hi ||
+	    rq->devptr + rq->len < rq->devptr) {
+		rq_fail(rq, cu_err(-EFAULT, "0x%llx + %llu is outside the GPU allocation (0x%llx..0x%llx) found when the operation was queued",
+				   (unsigned long long)rq->devptr, (unsigned long long)rq->len,
+				   (unsigned long long)rq->alloc_lo, (unsigned long long)rq->alloc_hi));
+		goto finish;
+	}
+	if ((align_up(rq->off + rq->len, rq->cf->align) - align_down(rq->off, rq->cf->align) +
+	     c->cfg.buf_size - 1) / c->cfg.buf_size > rq->nstages) {
+		rq_fail(rq, cu_err(-EINVAL, "the size grew to %llu after queueing: more staging rounds than were queued (%u)",
+				   (unsigned long long)rq->len, rq->nstages));
 		goto finish;
 	}
 	rq->end = rq->off + rq->len;
@@ -494,8 +615,15 @@ int rq_resolve(struct cu_req *rq)
 	rq->state = RQ_READY;
 	return 0;
 finish:
-	rq->pieces = 0;
-	rq_finish(rq);
+	/* nothing to move: every round's flag goes up with an empty descriptor */
+	rq->len = 0;
+	rq->end = rq->off;
+	pthread_mutex_lock(&c->lock);
+	rq->state = RQ_CUT;
+	rq_stages_cut_done_locked(rq);
+	pthread_mutex_unlock(&c->lock);
+	rq_stages_advance(rq);
+	rq_piece_done_ref(rq);		/* the cutting reference */
 	return 1;
 }
 
@@ -548,7 +676,9 @@ bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size
 	p->io_started = false;
 	*fill = (uint32_t)(pos + len);
 	rq->cursor = cur + p->user_len;
-	__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
+	/* a stream op's rounds were counted when it was queued */
+	if (!rq->stream_op)
+		__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
 	return true;
 }
 
@@ -598,7 +728,7 @@ void rq_piece_io(struct cu_piece *p)
 		;
 }
 
-/* Bytes of a finished piece by path (its copy, or its write, is done). */
+/* Bytes of a piece by path, once its file I/O is judged. */
 static void piece_account(struct cu_req *rq, struct cu_piece *p)
 {
 	uint32_t paths = p->pio.paths;
@@ -635,8 +765,126 @@ void rq_piece_done(struct cu_piece *p)
 	struct cu_req *rq = p->rq;
 
 	piece_account(rq, p);
-	if (__atomic_sub_fetch(&rq->pieces, 1, __ATOMIC_ACQ_REL) == 0)
+	rq_piece_done_ref(rq);
+}
+
+static void rq_release(struct cu_req *rq);
+
+/* Drop @n references; the last one ends the request. */
+void rq_piece_done_n(struct cu_req *rq, int n)
+{
+	if (n <= 0 || __atomic_sub_fetch(&rq->pieces, n, __ATOMIC_ACQ_REL) != 0)
+		return;
+	if (rq->stream_op)
+		rq_release(rq);		/* published when its last flag went up */
+	else
 		rq_finish(rq);
+}
+
+void rq_piece_done_ref(struct cu_req *rq)
+{
+	rq_piece_done_n(rq, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Stream-op rounds                                                         */
+/* ------------------------------------------------------------------------ */
+
+static void rq_publish(struct cu_req *rq);
+
+/*
+ * A lane filled round @st from piece @p (a read: its file I/O is done; a
+ * write: its buffer is reserved): the descriptor the kernel will read.  The
+ * flag that lets the kernel run goes up in rq_stages_advance().
+ */
+void rq_stage_fill(struct cu_stage *st, struct cu_piece *p, uint64_t staging_d)
+{
+	struct cu_req *rq = st->rq;
+	phx_cuda *c = rq->c;
+	struct cu_copy_desc *d = &c->descs[st->desc];
+	bool bad = __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE) != 0;
+
+	if (rq->op == PHX_OP_READ) {
+		piece_account(rq, p);
+		d->src = staging_d + p->soff + (p->user_off - p->io_off);
+		d->dst = rq->devptr + (p->user_off - rq->off);
+		d->len = bad ? 0 : p->got;
+	} else {
+		d->src = rq->devptr + (p->user_off - rq->off);
+		d->dst = staging_d + p->soff;
+		d->len = bad ? 0 : p->user_len;
+	}
+	stat_add(c, rq->op == PHX_OP_READ ? &c->st.h2d_bytes : &c->st.d2h_bytes, d->len);
+	pthread_mutex_lock(&c->lock);
+	st->ready = true;
+	pthread_mutex_unlock(&c->lock);
+}
+
+/* Every piece is cut (c->lock held): the rounds left over carry nothing. */
+void rq_stages_cut_done_locked(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	uint32_t k;
+
+	rq->needed = rq->stage_next;
+	for (k = rq->stage_next; k < rq->nstages; k++) {
+		struct cu_copy_desc *d = &c->descs[rq->stages[k].desc];
+
+		d->src = d->dst = d->len = 0;
+		rq->stages[k].b = NULL;
+		rq->stages[k].ready = true;
+	}
+	rq->stage_next = rq->nstages;
+}
+
+/*
+ * Raise the flag over the rounds that are ready, in order (a kernel may run
+ * only once its descriptor is written).  The result is published first when
+ * the last flag goes up: a read's once every round's file I/O is judged, a
+ * write's once every round is in the file.  The flag is only ever raised,
+ * under c->lock, so lanes racing here cannot lower it.
+ */
+void rq_stages_advance(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	uint32_t final = rq->nstages + (rq->op == PHX_OP_WRITE ? 1 : 0);
+	bool publish = false;
+	uint32_t target;
+
+	pthread_mutex_lock(&c->lock);
+	while (rq->prefix < rq->nstages && rq->stages[rq->prefix].ready)
+		rq->prefix++;
+	target = rq->prefix;
+	if (rq->prefix == rq->nstages && rq->state == RQ_CUT &&
+	    (rq->op == PHX_OP_READ ||
+	     __atomic_load_n(&rq->written, __ATOMIC_ACQUIRE) == (int)rq->needed))
+		target = final;
+	if (target == final && !rq->publish_claimed) {
+		rq->publish_claimed = true;
+		publish = true;
+		target = final - 1;	/* the last one after publishing */
+	}
+	if ((int32_t)(rq->seq + target - rq->raised) > 0) {
+		rq->raised = rq->seq + target;
+		__atomic_store_n(&c->flags[rq->slot], rq->raised, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&c->lock);
+	if (!publish)
+		return;
+	rq_publish(rq);
+	pthread_mutex_lock(&c->lock);
+	rq->raised = rq->seq + final;
+	__atomic_store_n(&c->flags[rq->slot], rq->raised, __ATOMIC_RELEASE);
+	pthread_mutex_unlock(&c->lock);
+}
+
+/* A write round's file I/O is over (judged by rq_piece_io()). */
+void rq_stage_written(struct cu_stage *st, struct cu_piece *p)
+{
+	if (p->io_started)
+		piece_account(st->rq, p);
+	__atomic_add_fetch(&st->rq->written, 1, __ATOMIC_ACQ_REL);
+	rq_stages_advance(st->rq);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -662,30 +910,12 @@ static void live_dec(phx_cuda *c, struct phx_cuda_io *io)
 	pthread_mutex_unlock(&c->done_lock);
 }
 
-static void rq_release(struct cu_req *rq)
-{
-	phx_cuda *c = rq->c;
-	struct phx_cuda_io *io = rq->owned ? NULL : rq->io;
-
-	if (rq->owned)
-		free(rq->io);
-	if (rq->cf)
-		cf_put(c, rq->cf);
-	after_put(c, rq->after);
-	pthread_mutex_lock(&c->lock);
-	if (rq->stream_op) {
-		slot_put_locked(c, rq->slot);
-		if (rq->pass_ev)
-			linger_add_locked(c, rq->pass_ev);
-	}
-	rq->next = c->free_reqs;
-	c->free_reqs = rq;
-	pthread_mutex_unlock(&c->lock);
-	live_dec(c, io);
-}
-
-/* Publish the result, release the caller's stream, let go of everything. */
-void rq_finish(struct cu_req *rq)
+/*
+ * Publish the result: bytes moved (short at end of file) or the first
+ * error.  It is in io->result and *bytes_done before anyone is told, and the
+ * file is let go of, so a caller may close it as soon as it learns.
+ */
+static void rq_publish(struct cu_req *rq)
 {
 	phx_cuda *c = rq->c;
 	struct phx_cuda_io *io = rq->io;
@@ -697,7 +927,6 @@ void rq_finish(struct cu_req *rq)
 		res = (int64_t)(rq->short_end - rq->off);
 	else
 		res = (int64_t)rq->len;
-	rq->state = RQ_DONE;
 	if (io) {
 		io->result = res;
 		io->paths = rq->paths;
@@ -719,24 +948,49 @@ void rq_finish(struct cu_req *rq)
 	stat_add(c, &c->st.direct_bytes, rq->direct_bytes);
 	stat_add(c, &c->st.bounce_bytes, rq->bounce_bytes);
 	stat_add(c, &c->st.buffered_bytes, rq->buffered_bytes);
-	/*
-	 * The result is in place and the file let go of (a caller may close it
-	 * as soon as its stream moves on): now the stream may pass.
-	 */
 	cf_put(c, rq->cf);
 	rq->cf = NULL;
-	if (rq->stream_op)
-		__atomic_store_n(&c->flags[rq->slot], rq->seq, __ATOMIC_RELEASE);
+}
+
+/* Nothing refers to the request any more: hand everything back. */
+static void rq_release(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	struct phx_cuda_io *io = rq->owned ? NULL : rq->io;
+
+	rq->state = RQ_DONE;
+	if (rq->owned)
+		free(rq->io);
+	if (rq->cf)
+		cf_put(c, rq->cf);
+	after_put(c, rq->after);
+	pthread_mutex_lock(&c->lock);
+	if (rq->stream_op) {
+		slot_put_locked(c, rq->slot);
+		descs_put_locked(c, rq->stages, rq->nstages);
+	}
+	rq->next = c->free_reqs;
+	c->free_reqs = rq;
+	pthread_mutex_unlock(&c->lock);
+	free(rq->stages);
+	rq->stages = NULL;
+	live_dec(c, io);
+}
+
+/* A host-async request's end: publish, then release. */
+void rq_finish(struct cu_req *rq)
+{
+	rq_publish(rq);
 	rq_release(rq);
 }
 
 /*
- * Undo a stream op whose host function could not be queued: no flag will
- * be waited for, and the caller gets the error from the call itself.
+ * Undo a stream op whose arrival could not be queued: nothing of it is on
+ * the stream, and the caller gets the error from the call itself.
  */
 void rq_abandon(struct cu_req *rq, int err)
 {
 	if (rq->io && !rq->owned)
 		rq->io->result = err;
-	rq_release(rq);	/* the slot and the pass event go back */
+	rq_release(rq);
 }

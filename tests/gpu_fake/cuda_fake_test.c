@@ -50,6 +50,7 @@ static int (*MemsetAsync)(uint64_t, unsigned char, size_t, void *);
 static int (*SleepAsync)(void *, unsigned long);
 static int64_t (*HostfnMax)(void);
 static long (*BatchCalls)(void);
+static int (*DeviceSync)(int);
 
 static uint64_t rng = 88172645463325252ull;
 
@@ -286,16 +287,25 @@ static void test_stream_deferred(phx_cuda *c, phx_engine *eng, void *s)
 	SleepAsync(s, 150000);			/* the stream is busy */
 	ret = phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s);
 	CHECK(ret == 0, "read_async = %d", ret);
-	/* changed after queueing, before the stream arrives */
-	size = 300001;
+	/* changed after queueing, before the stream arrives (within one round) */
+	size = 100001;
 	foff = 4097;
 	boff = 33;
 	ret = phx_file_close(f);
 	CHECK(ret == -EBUSY, "close with stream I/O queued = %d (want -EBUSY)", ret);
 	StreamSynchronize(s);
-	CHECK(done == 300001, "bytes_done = %" PRId64 " (want the deferred size 300001)", done);
-	CHECK(!memcmp(dev(buf + 33), data + 4097, 300001), "deferred read bytes");
-	CHECK(dev(buf)[32] == 0xEE && dev(buf)[33 + 300001] == 0xEE, "bytes around the read");
+	CHECK(done == 100001, "bytes_done = %" PRId64 " (want the deferred size 100001)", done);
+	CHECK(!memcmp(dev(buf + 33), data + 4097, 100001), "deferred read bytes");
+	CHECK(dev(buf)[32] == 0xEE && dev(buf)[33 + 100001] == 0xEE, "bytes around the read");
+	/* grown past the staging rounds queued for it: refused, nothing written */
+	size = 10;
+	memset(dev(buf), 0xEE, MiB);
+	SleepAsync(s, 50000);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "queue");
+	size = 900000;
+	StreamSynchronize(s);
+	CHECK(done == -EINVAL, "grown size: bytes_done = %" PRId64 " (want -EINVAL)", done);
+	CHECK(dev(buf)[33] == 0xEE && dev(buf)[500000] == 0xEE, "a refused op wrote GPU memory");
 	CHECK(phx_file_close(f) == 0, "close after the stream passed");
 	MemFree(buf);
 	free(data);
@@ -442,6 +452,44 @@ static void test_threads(phx_cuda *c, phx_engine *eng)
 	free(data);
 }
 
+/*
+ * A device-wide synchronisation (cudaFree, a growing allocator) in another
+ * thread while stream ops wait on their streams: they must complete without
+ * any CUDA call from the lanes, or the process hangs (seen on the H200 with
+ * an earlier design whose lanes queued the copies after arrival).
+ */
+static void test_stream_ops_survive_device_sync(phx_cuda *c, phx_engine *eng, void *s)
+{
+	size_t fsize = 3 * MiB, rsize = 2 * MiB + 3, wsize = 300000;
+	unsigned char *data = make_file("sync2.bin", fsize);
+	int64_t roff = 5, woff = 4096 * 3 + 1, zero = 0, rdone = -1, wdone = -1;
+	uint64_t buf;
+	phx_file *f;
+
+	phx_file_open(eng, path_of("sync2.bin"), O_RDWR, 0, 0, &f);
+	MemAlloc(&buf, 4 * MiB);
+	fill_random(dev(buf + 3 * MiB), wsize);
+	SleepAsync(s, 30000);
+	CHECK(phx_cuda_read_async(c, f, buf, &rsize, &roff, &zero, &rdone, s) == 0, "read_async");
+	CHECK(phx_cuda_write_async(c, f, buf + 3 * MiB, &wsize, &woff, &zero, &wdone, s) == 0,
+	      "write_async");
+	CHECK(DeviceSync(10000) == 0, "a device-wide synchronisation hung behind stream ops");
+	CHECK(rdone == (int64_t)rsize && wdone == (int64_t)wsize, "results %" PRId64 " %" PRId64,
+	      rdone, wdone);
+	CHECK(!memcmp(dev(buf), data + 5, rsize), "read bytes");
+	StreamSynchronize(s);
+	phx_file_close(f);
+	{
+		size_t got;
+		unsigned char *now = read_file("sync2.bin", &got);
+
+		CHECK(!memcmp(now + woff, dev(buf + 3 * MiB), wsize), "written bytes");
+		free(now);
+	}
+	MemFree(buf);
+	free(data);
+}
+
 /* Destroy with a stream op still queued behind a busy stream: it waits. */
 static void test_destroy_with_queued(phx_engine *eng)
 {
@@ -508,6 +556,7 @@ int main(int argc, char **argv)
 	*(void **)&SleepAsync = dlsym(h, "fake_sleep_async");
 	*(void **)&HostfnMax = dlsym(h, "fake_hostfn_max_ns");
 	*(void **)&BatchCalls = dlsym(h, "fake_batch_calls");
+	*(void **)&DeviceSync = dlsym(h, "fake_device_sync");
 
 	CHECK(phx_cuda_available(why, sizeof(why)) == 1, "available: %s", why);
 	CHECK(phx_engine_create(NULL, &eng) == 0, "engine");
@@ -525,6 +574,7 @@ int main(int argc, char **argv)
 	test_stream_eof_shrink(c, eng, s1);
 	test_errors(c, eng, s2);
 	test_threads(c, eng);
+	test_stream_ops_survive_device_sync(c, eng, s1);
 	CHECK(phx_cuda_destroy(c) == 0, "destroy");
 	test_destroy_with_queued(eng);
 	test_no_memops(eng);

@@ -41,6 +41,25 @@ static int64_t now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/*
+ * ---- a device-synchronising call, as cudaFree or a growing allocator make
+ * it: fake_device_sync() blocks every other thread's API calls until all
+ * streams are idle.  Work whose completion needs a new API call (from a
+ * lane, say) then deadlocks, as it can on a real driver.
+ */
+static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t api_cond = PTHREAD_COND_INITIALIZER;
+static int api_syncing;
+static pthread_t api_syncer;
+
+static void api_enter(void)
+{
+	pthread_mutex_lock(&api_lock);
+	while (api_syncing && !pthread_equal(api_syncer, pthread_self()))
+		pthread_cond_wait(&api_cond, &api_lock);
+	pthread_mutex_unlock(&api_lock);
+}
+
 /* ---- memory ---- */
 
 struct alloc {
@@ -111,6 +130,7 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 
 CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
 {
+	api_enter();
 	int ok = dev_range_ok(p, 1);
 
 	if (!ok)
@@ -124,6 +144,7 @@ CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
 
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 {
+	api_enter();
 	struct alloc *a;
 
 	pthread_mutex_lock(&mem_lock);
@@ -246,6 +267,7 @@ CUresult cuEventDestroy_v2(struct event *e)
 
 CUresult cuEventQuery(struct event *e)
 {
+	api_enter();
 	int r;
 
 	pthread_mutex_lock(&e->lock);
@@ -265,7 +287,7 @@ CUresult cuEventSynchronize(struct event *e)
 
 /* ---- streams ---- */
 
-enum { OP_COPY, OP_WAITVAL, OP_HOSTFN, OP_EVREC, OP_WAITEV, OP_SLEEP, OP_MEMSET };
+enum { OP_COPY, OP_WAITVAL, OP_HOSTFN, OP_EVREC, OP_WAITEV, OP_SLEEP, OP_MEMSET, OP_KERNEL };
 
 struct op {
 	int kind;
@@ -288,6 +310,13 @@ struct stream {
 	int busy;
 	pthread_t thr;
 };
+
+static long kernels_run;
+
+long fake_kernels_run(void)
+{
+	return __atomic_load_n(&kernels_run, __ATOMIC_RELAXED);
+}
 
 static void run_op(struct op *o)
 {
@@ -321,6 +350,15 @@ static void run_op(struct op *o)
 	case OP_SLEEP:
 		usleep((useconds_t)o->n);
 		break;
+	case OP_KERNEL: {
+		/* phx_copy: the descriptor is read when the kernel runs */
+		const volatile uint64_t *d = o->src;
+
+		if (d[2])
+			memcpy((void *)(uintptr_t)d[1], (const void *)(uintptr_t)d[0], d[2]);
+		__atomic_add_fetch(&kernels_run, 1, __ATOMIC_RELAXED);
+		break;
+	}
 	}
 }
 
@@ -350,9 +388,17 @@ static void *stream_main(void *arg)
 	return NULL;
 }
 
+static struct stream *all_streams[4096];
+static int nstreams;
+
 static struct stream *stream_new(void)
 {
 	struct stream *s = calloc(1, sizeof(*s));
+
+	pthread_mutex_lock(&api_lock);
+	if (nstreams < 4096)
+		all_streams[nstreams++] = s;
+	pthread_mutex_unlock(&api_lock);
 
 	pthread_mutex_init(&s->lock, NULL);
 	pthread_cond_init(&s->cond, NULL);
@@ -422,6 +468,7 @@ CUresult cuStreamSynchronize(void *h)
 
 CUresult cuStreamQuery(void *h)
 {
+	api_enter();
 	struct stream *s = S(h);
 	int r;
 
@@ -433,6 +480,7 @@ CUresult cuStreamQuery(void *h)
 
 CUresult cuEventRecord(struct event *e, void *h)
 {
+	api_enter();
 	struct op *o = op_new(OP_EVREC);
 
 	pthread_mutex_lock(&e->lock);
@@ -445,6 +493,7 @@ CUresult cuEventRecord(struct event *e, void *h)
 
 CUresult cuStreamWaitEvent(void *h, struct event *e, unsigned f)
 {
+	api_enter();
 	struct op *o = op_new(OP_WAITEV);
 
 	pthread_mutex_lock(&e->lock);
@@ -470,6 +519,7 @@ CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned 
 
 CUresult cuLaunchHostFunc(void *h, CUhostFn fn, void *arg)
 {
+	api_enter();
 	struct op *o = op_new(OP_HOSTFN);
 
 	o->fn = fn;
@@ -491,6 +541,7 @@ static CUresult copy(void *h, void *dst, const void *src, size_t n)
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
 {
+	api_enter();
 	if (!dev_range_ok(d, n))
 		return EINVALID;
 	return copy(h, (void *)(uintptr_t)d, src, n);
@@ -498,6 +549,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
 
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr s, size_t n, void *h)
 {
+	api_enter();
 	if (!dev_range_ok(s, n))
 		return EINVALID;
 	return copy(h, dst, (const void *)(uintptr_t)s, n);
@@ -511,6 +563,7 @@ CUresult fake_MemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *siz
 {
 	size_t i;
 
+	api_enter();
 	if ((uintptr_t)h <= 2 || !nattrs || !attrs)
 		return EINVALID;	/* as CUDA: no legacy stream */
 	for (i = 0; i < count; i++) {
@@ -544,6 +597,36 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, void *h)
 	return OK;
 }
 
+/* Test hook: a device-wide synchronisation that blocks other API callers. */
+int fake_device_sync(int timeout_ms)
+{
+	int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000;
+	int i, busy = 1;
+
+	pthread_once(&legacy_once, legacy_make);
+	pthread_mutex_lock(&api_lock);
+	api_syncing = 1;
+	api_syncer = pthread_self();
+	pthread_mutex_unlock(&api_lock);
+	while (busy && now_ns() < deadline) {
+		busy = 0;
+		for (i = 0; i < nstreams; i++) {
+			struct stream *s = all_streams[i];
+
+			pthread_mutex_lock(&s->lock);
+			busy |= s->head != NULL;
+			pthread_mutex_unlock(&s->lock);
+		}
+		if (busy)
+			usleep(1000);
+	}
+	pthread_mutex_lock(&api_lock);
+	api_syncing = 0;
+	pthread_cond_broadcast(&api_cond);
+	pthread_mutex_unlock(&api_lock);
+	return busy ? -1 : 0;	/* -1: it would have hung */
+}
+
 /* Test hook: keep @h busy for @us microseconds (a long kernel). */
 CUresult fake_sleep_async(void *h, unsigned long us)
 {
@@ -562,6 +645,42 @@ CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, uint64_t flag
 	}
 	*pfn = NULL;
 	return 500;
+}
+
+/* ---- modules: only libphx's phx_copy kernel exists ---- */
+
+static int the_module, the_function;
+
+CUresult cuModuleLoadData(void **m, const void *image)
+{
+	if (!strstr((const char *)image, ".entry phx_copy"))
+		return EINVALID;
+	*m = &the_module;
+	return OK;
+}
+
+CUresult cuModuleUnload(void *m) { return OK; }
+
+CUresult cuModuleGetFunction(void **f, void *m, const char *name)
+{
+	if (strcmp(name, "phx_copy"))
+		return 500;
+	*f = &the_function;
+	return OK;
+}
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+			unsigned by, unsigned bz, unsigned shm, void *h, void **params,
+			void **extra)
+{
+	struct op *o;
+
+	if (f != &the_function || !params)
+		return EINVALID;
+	o = op_new(OP_KERNEL);
+	o->src = (const void *)(uintptr_t)*(uint64_t *)params[0];
+	push(h, o);
+	return OK;
 }
 
 /* ---- the rest ---- */
