@@ -736,6 +736,95 @@ cdef class File:
                              f"batch request {i} ({'write' if write else 'read'} at {items[i][1]})")
         return out
 
+    cdef object _many(self, bint write, buf, offsets, nbytes, buf_offsets):
+        import numpy as np
+        cdef _Buf b
+        cdef const int64_t[::1] offs
+        cdef const int64_t[::1] lens
+        cdef const int64_t[::1] boffs
+        cdef int64_t[::1] res
+        cdef Py_ssize_t n, i, bad = -1
+        cdef phx_io *ios
+        cdef int rc = 0
+        cdef int64_t ln, bo, packed = 0
+        cdef phx_file *f = self._get()
+        cdef phx_engine *e = self.engine._get()
+        self._check(write, 0)
+        if is_device_buffer(buf):
+            raise TypeError("pread_many/pwrite_many take host memory; for GPU memory use "
+                            "pread_batch/pwrite_batch (phx.gpu)")
+        offs = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+        n = offs.shape[0]
+        if np.ndim(nbytes) == 0:
+            lens = np.full(n, _operator.index(nbytes), dtype=np.int64)
+        else:
+            lens = np.ascontiguousarray(nbytes, dtype=np.int64).reshape(-1)
+        if lens.shape[0] != n:
+            raise ValueError(f"{n} offsets but {lens.shape[0]} sizes")
+        if buf_offsets is None:
+            boffs = np.concatenate(([0], np.cumsum(lens[:n - 1] if n else lens))).astype(np.int64)
+        else:
+            boffs = np.ascontiguousarray(buf_offsets, dtype=np.int64).reshape(-1)
+            if boffs.shape[0] != n:
+                raise ValueError(f"{n} offsets but {boffs.shape[0]} buffer offsets")
+        out = np.zeros(n, dtype=np.int64)
+        if n == 0:
+            return out
+        res = out
+        b = _get_buf(buf, not write, self.path)
+        ios = <phx_io *>calloc(n, sizeof(phx_io))
+        if ios == NULL:
+            b.release()
+            raise MemoryError()
+        self._users += 1
+        try:
+            for i in range(n):
+                ln = lens[i]
+                bo = boffs[i]
+                if offs[i] < 0 or ln < 0 or bo < 0 or bo + ln > <int64_t>b.nbytes:
+                    raise ValueError(
+                        f"piece {i}: {ln} bytes at file offset {offs[i]} into buffer offset "
+                        f"{bo} does not fit a {b.nbytes}-byte buffer (or is negative)")
+                phx_io_prep(&ios[i], f, PHX_OP_WRITE if write else PHX_OP_READ,
+                            <char *>b.ptr + bo, <size_t>ln, <uint64_t>offs[i])
+            with nogil:
+                rc = phx_submit_wait(e, ios, n)
+                if rc == 0:
+                    for i in range(n):
+                        res[i] = ios[i].result
+                        if ios[i].result < 0 and bad < 0:
+                            bad = i
+            if rc < 0:
+                raise _error(rc, self.path)
+        finally:
+            self._users -= 1
+            b.release()
+            free(ios)
+        if bad >= 0:
+            raise _error(<int>res[bad], self.path,
+                         f"piece {bad} ({'write' if write else 'read'} of {lens[bad]} bytes "
+                         f"at {offs[bad]})")
+        return out
+
+    def pread_many(self, buf, offsets, nbytes, buf_offsets=None):
+        """Read many pieces of the file into one host buffer, in one submission.
+
+        Piece ``i`` is ``nbytes[i]`` bytes (or ``nbytes`` for all) at file
+        offset ``offsets[i]``, landing at ``buf_offsets[i]`` of ``buf`` (by
+        default the pieces are packed back to back).  The arguments are
+        integer arrays (numpy or sequences); no Python object is made per
+        piece, so thousands of KV chunks cost what their I/O costs.  Returns a
+        numpy int64 array of byte counts (short at end of file); raises the
+        first failure's OSError after all have finished, like
+        :meth:`pread_batch`.
+        """
+        return self._many(False, buf, offsets, nbytes, buf_offsets)
+
+    def pwrite_many(self, buf, offsets, nbytes, buf_offsets=None):
+        """Write many pieces of one host buffer to the file, in one submission
+        (the arguments as for :meth:`pread_many`)."""
+        return self._many(True, buf, offsets, nbytes, buf_offsets)
+
     def pread_batch(self, reqs) -> list:
         """Read a list of ``(buffer, offset)`` pairs in one submission.
 
