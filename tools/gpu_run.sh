@@ -2,7 +2,8 @@
 # tools/gpu_run.sh - build phx on the H200 box and run the GPU tests and
 # benchmarks there, in one call of the device tool.  Logs and JSON go to $OUT.
 #
-#   tools/gpu_run.sh STEPS...     steps, in order: build test tune smoke seq chunks
+#   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks
+#   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, TEST_TIMEOUT size the steps)
 #
 # Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
 # liburing-dev and liburing2 .debs: the box has no liburing headers) and
@@ -39,8 +40,8 @@ build() {
 
 tests() {
 	log tests
-	PHX_TEST_DIR=$TESTDIR timeout 420 python3 -m pytest -q -ra -p no:cacheprovider \
-		--timeout 240 tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py 2>&1 |
+	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
+		--timeout 120 --timeout-method=thread tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py 2>&1 |
 		tee -a "$LOG" | tail -40
 }
 
@@ -56,13 +57,15 @@ zram_down() {
 	umount /mnt/phx-tune$1 && echo 1 >/sys/block/zram$1/reset
 }
 
-tune() {
+tune() {	# $1: also tune a zram filesystem
 	log tune
 	python3 -m phx tune $BENCHDIR --size 1G 2>&1 | tee -a "$LOG"
 	local id
-	id=$(zram_up 4G)
-	python3 -m phx tune /mnt/phx-tune$id --size 1G 2>&1 | tee -a "$LOG"
-	zram_down "$id"
+	if [ "${1:-}" = zram ]; then
+		id=$(zram_up 4G)
+		python3 -m phx tune /mnt/phx-tune$id --size 1G 2>&1 | tee -a "$LOG"
+		zram_down "$id"
+	fi
 	python3 -m phx info 2>&1 | sed -n '/^cuda:/,/^kernel_module/p' | tee -a "$LOG"
 	cp ~/.cache/phx/gpu-tune.json "$OUT/" 2>/dev/null || true
 }
@@ -94,7 +97,8 @@ for step in "$@"; do
 	case $step in
 	build) build || exit 1 ;;
 	test) tests ;;
-	tune) tune ;;
+	tune) tune zram ;;
+	tune-disk) tune ;;
 	smoke) smoke ;;
 	seq) seq ;;
 	chunks) chunks ;;
