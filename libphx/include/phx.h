@@ -20,8 +20,13 @@
  * are split into chunks of at most max_io_size, kept in flight up to the
  * queue depth; short transfers are continued; parts that cannot go to the
  * device directly (unaligned memory, offset or length) go through the
- * engine's aligned bounce buffers, never through the page cache, and are
- * counted in phx_stats.bounce_bytes.
+ * engine's aligned bounce buffers and are counted in phx_stats.bounce_bytes.
+ * One exception: a partial block the file ends inside (or any partial block
+ * of a write-only descriptor) is written with exactly the caller's bytes
+ * through the page cache, then flushed and dropped (buffered_bytes), so that
+ * nothing past the caller's end is ever written.  Writes to the same blocks
+ * from any handle or engine of the process are serialised where they must
+ * be (docs/design.md, "Partial blocks").
  */
 #ifndef PHX_H
 #define PHX_H

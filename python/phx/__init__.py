@@ -45,7 +45,9 @@ def open(path: str | os.PathLike, mode: str = "r", *, direct: bool = True,
     mode: ``"r"``, ``"r+"``, ``"w"``, ``"w+"``, ``"x"``, ``"x+"`` (as for
     :func:`open`; no append, every call names its offset).
     direct: O_DIRECT (default): the page cache is bypassed; unaligned requests
-    go through the engine's aligned bounce buffers, never the page cache.
+    go through the engine's aligned bounce buffers (a partial block the file
+    ends inside is written through the page cache, exactly the caller's bytes,
+    then flushed: nothing past the caller's end is ever written).
     ``direct=False`` uses the page cache on purpose.
     allow_buffered: open buffered when the filesystem refuses O_DIRECT
     (``File.direct`` then says False) instead of raising.
