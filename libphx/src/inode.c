@@ -52,6 +52,28 @@ struct phx_inode {
 
 static pthread_mutex_t inode_table_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct phx_inode *inode_table[INODE_BUCKETS];
+static pthread_once_t inode_table_once = PTHREAD_ONCE_INIT;
+
+/*
+ * A child of fork() starts with a fresh table: the parent's claims belong
+ * to chunks in flight on rings the child cannot reap, and would block its
+ * own writes to those files forever.  The old entries are left to whatever
+ * inherited handles still point at them (a ring is not usable across fork
+ * anyway); the lock may have been held by another thread at the fork.
+ */
+static void inode_table_forget(void)
+{
+	unsigned b;
+
+	pthread_mutex_init(&inode_table_lock, NULL);
+	for (b = 0; b < INODE_BUCKETS; b++)
+		inode_table[b] = NULL;
+}
+
+static void inode_table_init(void)
+{
+	pthread_atfork(NULL, NULL, inode_table_forget);
+}
 
 static unsigned inode_bucket(dev_t dev, ino_t ino)
 {
@@ -73,6 +95,7 @@ int inode_get(const struct stat *st, struct phx_inode **out)
 	ino_t ino = blk ? 0 : st->st_ino;
 	unsigned b;
 
+	pthread_once(&inode_table_once, inode_table_init);
 	b = inode_bucket(dev, ino);
 	pthread_mutex_lock(&inode_table_lock);
 	for (n = inode_table[b]; n; n = n->next)
