@@ -437,6 +437,8 @@ def test_stream_deferred_arguments(data_dir, rng, write):
         assert args[3] == n - 3, f"bytes_done {args[3]}: arguments taken at call time"
         # grown beyond the rounds queued for it: refused when the stream gets there
         grown = _args(5, 0, 0)
+        with torch.cuda.stream(s):
+            _sleep(60)
         ctx.stream_deferred(f._c_file, buf.data_ptr(), grown.ctypes.data, write, s.cuda_stream)
         grown[0] = n
         s.synchronize()
@@ -648,6 +650,16 @@ def test_pread_batch_one_submission(big_file):
         assert_same(host(t), data[4096 * i + i:4096 * i + i + t.numel()])
 
 
+# python/CMakeLists.txt links libphx statically into every extension module,
+# so engine.so (host handles) and cuda.so (GPU lanes) each have their own
+# copy of libphx's process-wide inode write-claim table and do not see each
+# other's partial-block claims.  Seen on the H200 and with the fake CUDA
+# (tests/test_gpu_fake.py).  Strict: it turns into a failure once fixed.
+SPLIT_LIBPHX = ("libphx is linked into each extension module: host handles and GPU "
+                "lanes keep separate partial-block claim tables (python/CMakeLists.txt)")
+
+
+@pytest.mark.xfail(strict=True, reason=SPLIT_LIBPHX)
 def test_two_handles_and_gpu_write_disjoint_bytes_of_same_blocks(data_dir, rng):
     """Issue 9: host phx handles on their own engines and phx.gpu writing
     disjoint, unaligned byte ranges inside the same 4 KiB blocks at the same

@@ -74,7 +74,7 @@ static char dir[256];
 
 static const char *path_of(const char *name)
 {
-	static char p[512];
+	static __thread char p[512];
 
 	snprintf(p, sizeof(p), "%s/%s", dir, name);
 	return p;
@@ -413,7 +413,10 @@ static void *thr_main(void *arg)
 
 	StreamCreate(&s, 1);
 	MemAlloc(&buf, 4 * MiB + 100);
-	phx_file_open(a->eng, path_of("mt.bin"), O_RDONLY, 0, 0, &f);
+	if (phx_file_open(a->eng, path_of("mt.bin"), O_RDONLY, 0, 0, &f)) {
+		CHECK(0, "thread %d: open: %s", a->id, phx_strerror_last());
+		return NULL;
+	}
 	for (k = 0; k < 12; k++) {
 		size_t size = 1 + rnd() % (2 * MiB);
 		int64_t foff = (int64_t)(rnd() % (a->fsize - size)), boff = 1 + (int64_t)(rnd() % 64);

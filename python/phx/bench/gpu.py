@@ -7,7 +7,8 @@ people do it now, for two patterns.
   ``--chunk-sizes`` (64K, 256K, 2M, 16M); ``--chunk-bytes`` moved per row.
 
 Methods, each on the same files in one run, page cache dropped before every
-row, rows interleaved, ``--repeat`` times (median and spread reported):
+row, rows interleaved in a new random order each repeat (so no method always
+follows another's writes), ``--repeat`` times (median and spread reported):
 
 * ``phx``          phx.gpu with the defaults a context gets (tuned, if
                    ``phx tune`` ran): seq = one ``pread``; chunks = one
@@ -450,8 +451,13 @@ def run(args) -> int:
             _make_file(wpath, size, seed=2)
             fs = _fs_of(path)
             runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(plan))}
+            import numpy as np
             for rep in range(args.repeat):
-                for i, (pat, op, name, cfg, fn) in enumerate(plan):
+                # a fresh order each repeat: no method always follows the
+                # writes of another (this disk keeps flushing after them)
+                order = np.random.default_rng(rep).permutation(len(plan))
+                for i in order.tolist():
+                    pat, op, name, cfg, fn = plan[i]
                     target = wpath if op == "write" else path
                     drop_caches()
                     c0 = _cpu_seconds()
@@ -541,7 +547,8 @@ def _report(results: list[dict], size: int, args, ctx_info: dict) -> None:
     except Exception:  # noqa: BLE001
         st = {}
     write_json(args.json, {"benchmark": "gpu", "size": size, "repeat": args.repeat,
-                           "patterns": args.pattern, "staging": ctx_info, "rows": results,
+                           "patterns": args.pattern, "order": "shuffled per repeat",
+                           "staging": ctx_info, "rows": results,
                            "goals": goals, "phx_gpu_stats": st})
     if args.plot:
         _plot(results, args.plot)
