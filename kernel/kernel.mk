@@ -5,10 +5,12 @@ PHX_KDIR ?= /lib/modules/$(shell uname -r)/build
 
 .PHONY: kmod insmod rmmod
 
-kmod:
+# The toolchain (gcc, make, libelf-dev, bc, pahole from dwarves) comes from the
+# one package list (`make deps`); only the running kernel's headers are extra.
+kmod: deps
 	@if [ ! -d "$(PHX_KDIR)" ]; then \
 		$(SUDO) apt-get install -y -qq --no-install-recommends \
-			linux-headers-$(shell uname -r) make gcc libelf-dev bc || \
+			linux-headers-$(shell uname -r) || \
 		{ echo "no build tree for $(shell uname -r): set PHX_KDIR"; exit 1; }; \
 	fi
 	$(MAKE) -C kernel KDIR=$(PHX_KDIR)

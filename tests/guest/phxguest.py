@@ -179,7 +179,7 @@ P2PDMA_DISABLE = ["DRM", "SOUND", "USB_SUPPORT", "WLAN", "WIRELESS", "CFG80211",
 
 def p2pdma_kernel(jobs):
     """defconfig + kvm_guest.config + P2PDMA, built from linux-source-6.12."""
-    apt_install(P2PDMA_PACKAGES + ["make", "gcc", "libelf-dev", "bc", "xz-utils"])
+    apt_install(P2PDMA_PACKAGES)
     src = CACHE / "src" / "linux-source-6.12"
     if not (src / "Makefile").exists():
         (deb,) = apt_download(["linux-source-6.12"], CACHE / "deb")
