@@ -10,7 +10,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The one list of Debian packages that every target here uses (the guest
 # harness gets it through PHX_APT_PACKAGES, exported below).
-#   build: build-essential cmake ninja-build pkg-config liburing-dev python3-venv python3-dev
+#   build: build-essential cmake ninja-build pkg-config liburing-dev libblkid-dev (NVMe
+#     signature checks) python3-venv python3-dev
 #   tests and bench: fio xfsprogs e2fsprogs util-linux mount (mkfs, losetup, mount)
 #   guest harness: qemu-system-x86 busybox-static cpio xz-utils kmod (depmod, insmod in
 #     the guest), libelf-dev bc dwarves (pahole: the BTF step of phx.ko's modfinal);
