@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * driver.c - the process-wide driver: phxFileDriverOpen/Close, the choice
+ * of path, one libphx staging context per GPU.
+ *
+ * References: every phxFileDriverOpen() counts; the first registration on
+ * a closed driver opens it implicitly (LMCache's phx backend never calls
+ * phxFileDriverOpen, only phxFileDriverClose at the end).  Close drops an
+ * explicit reference, else the implicit one; the driver shuts down when
+ * none is left, after waiting for transfers in flight.  Shutting down with
+ * handles or buffers still registered is refused with -EBUSY (the reference
+ * stays), so that no handle ever points at freed state.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* The one driver: the frozen ABI has no context argument (see internal.h). */
+static struct pf_driver drv = {
+	.setup = PTHREAD_MUTEX_INITIALIZER,
+	.lock = PTHREAD_MUTEX_INITIALIZER,
+	.idle = PTHREAD_COND_INITIALIZER,
+};
+
+struct pf_driver *pf_drv(void)
+{
+	return &drv;
+}
+
+/* The test hook of direct.c: only under tests/gpu_fake's stand-in driver. */
+static bool want_identity_map(struct pf_driver *d)
+{
+	const char *v = getenv("PHXFILE_TEST_DIRECT");
+
+	if (!v || strcmp(v, "identity"))
+		return false;
+	if (!d->cuda.fake) {
+		pf_log("PHXFILE_TEST_DIRECT=identity ignored: the CUDA driver is not the test fake");
+		return false;
+	}
+	return true;
+}
+
+static void choose_path(struct pf_driver *d)
+{
+	int ret = phx_devmem_probe();
+
+	d->identity_map = false;
+	if (!ret) {
+		d->path = PHXFILE_PATH_DIRECT;
+		pf_log("driver open (libphx %s): path=direct: registered GPU buffers are mapped through /dev/phx and the SSD DMAs into them; other buffers use Co-DMA staging",
+		       phx_version());
+	} else if (want_identity_map(d)) {
+		d->path = PHXFILE_PATH_DIRECT;
+		d->identity_map = true;
+		pf_log("driver open (libphx %s): path=direct (test hook: fake device memory used as its own mapping)",
+		       phx_version());
+	} else {
+		d->path = PHXFILE_PATH_STAGING;
+		pf_log("driver open (libphx %s): path=staging: Co-DMA through pinned host memory (/dev/phx not usable: %s)",
+		       phx_version(), phx_strerror_last());
+	}
+}
+
+/* Setup held. */
+static int open_setup(struct pf_driver *d)
+{
+	char why[256];
+	int ret;
+
+	if (!phx_cuda_available(why, sizeof(why))) {
+		if (!d->nodev_logged)
+			pf_log("driver open refused: no usable CUDA GPU (%s)", why);
+		d->nodev_logged = true;
+		return -ENODEV;
+	}
+	ret = pf_cuda_load(&d->cuda);
+	if (ret)
+		return ret;
+	ret = phx_engine_create(NULL, &d->eng);
+	if (ret) {
+		pf_log("driver open: phx_engine_create: %s", phx_strerror_last());
+		pf_cuda_unload(&d->cuda);
+		return ret;
+	}
+	choose_path(d);
+	pthread_mutex_lock(&d->lock);
+	d->live = true;
+	d->st.driver_opens++;
+	pthread_mutex_unlock(&d->lock);
+	return 0;
+}
+
+/* Open the driver for a registration if it is closed (setup held). */
+int pf_get_setup(struct pf_driver *d)
+{
+	int ret;
+
+	if (d->live)
+		return 0;
+	ret = open_setup(d);
+	if (!ret)
+		d->implicit = true;
+	return ret;
+}
+
+/* Lock held. */
+static void ctx_fold_stats(struct pf_driver *d, phx_cuda *cu)
+{
+	struct phx_cuda_stats cs;
+
+	phx_cuda_stats(cu, &cs);
+	d->st.staging_errors += cs.errors;
+	d->st.staging_chunks += cs.chunks;
+	d->st.h2d_bytes += cs.h2d_bytes;
+	d->st.d2h_bytes += cs.d2h_bytes;
+}
+
+static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
+{
+	struct phx_cuda_config cfg;
+	int ret = pf_cuda_retain(&d->cuda, dev);
+
+	if (ret)
+		return ret;
+	phx_cuda_config_init(&cfg);
+	cfg.device = dev;
+	ret = phx_cuda_create(d->eng, &cfg, out);
+	if (ret) {
+		pf_log("device %d: staging context: %s", dev, phx_cuda_strerror_last());
+		return ret;
+	}
+	phx_cuda_config_get(*out, &cfg);
+	pf_log("device %d: staging context: %u lanes x %u buffers x %u KiB pinned", dev,
+	       cfg.lanes, cfg.bufs_per_lane, cfg.buf_size >> 10);
+	pf_handles_attach_all_setup(d, dev, *out);
+	return 0;
+}
+
+/*
+ * The staging context of device @dev, created on first use with libphx's
+ * defaults (PHX_CUDA_* variables apply).  Live handles are registered with
+ * it so that its lanes keep their fds.  Called with no lock held.
+ */
+int pf_ctx_get(struct pf_driver *d, int dev, phx_cuda **out)
+{
+	phx_cuda *cu;
+	int ret = 0;
+
+	if (dev < 0 || dev >= PF_MAX_DEVICES)
+		return -ENODEV;
+	pthread_mutex_lock(&d->lock);
+	cu = d->ctx[dev];
+	pthread_mutex_unlock(&d->lock);
+	if (cu) {
+		*out = cu;
+		return 0;
+	}
+	pthread_mutex_lock(&d->setup);
+	cu = d->ctx[dev];
+	if (!d->live)
+		ret = -ENODEV;
+	else if (!cu)
+		ret = ctx_create_setup(d, dev, &cu);
+	if (!ret) {
+		pthread_mutex_lock(&d->lock);
+		d->ctx[dev] = cu;
+		pthread_mutex_unlock(&d->lock);
+		*out = cu;
+	}
+	pthread_mutex_unlock(&d->setup);
+	return ret;
+}
+
+/* Setup held: wait for the transfers in flight, then free everything. */
+static void shutdown_setup(struct pf_driver *d)
+{
+	phx_cuda *ctx[PF_MAX_DEVICES];
+	int i;
+
+	pthread_mutex_lock(&d->lock);
+	while (d->st.inflight)
+		pthread_cond_wait(&d->idle, &d->lock);
+	memcpy(ctx, d->ctx, sizeof(ctx));
+	memset(d->ctx, 0, sizeof(d->ctx));
+	for (i = 0; i < PF_MAX_DEVICES; i++)
+		if (ctx[i])
+			ctx_fold_stats(d, ctx[i]);
+	d->live = false;
+	pthread_mutex_unlock(&d->lock);
+	for (i = 0; i < PF_MAX_DEVICES; i++)
+		if (ctx[i])
+			phx_cuda_destroy(ctx[i]);
+	phx_engine_destroy(d->eng);
+	d->eng = NULL;
+	pf_cuda_unload(&d->cuda);
+	pf_log("driver closed: path=%s reads=%llu writes=%llu bytes_read=%llu bytes_written=%llu failures=%llu submit_errors=%llu unregistered_ops=%llu",
+	       pf_path_name(d->path), (unsigned long long)d->st.reads,
+	       (unsigned long long)d->st.writes, (unsigned long long)d->st.bytes_read,
+	       (unsigned long long)d->st.bytes_written, (unsigned long long)d->st.failures,
+	       (unsigned long long)d->st.submit_errors,
+	       (unsigned long long)d->st.unregistered_ops);
+	d->path = PHXFILE_PATH_NONE;
+}
+
+PF_EXPORT int phxFileDriverOpen(void)
+{
+	struct pf_driver *d = pf_drv();
+	int ret = 0;
+
+	pthread_mutex_lock(&d->setup);
+	if (!d->live)
+		ret = open_setup(d);
+	if (!ret)
+		d->opens++;
+	pthread_mutex_unlock(&d->setup);
+	return ret;
+}
+
+/* Drop one reference; 1 when it was the last. */
+static bool put_ref_setup(struct pf_driver *d, bool *was_implicit)
+{
+	*was_implicit = !d->opens;
+	if (d->opens)
+		d->opens--;
+	else
+		d->implicit = false;
+	return !d->opens && !d->implicit;
+}
+
+PF_EXPORT int phxFileDriverClose(void)
+{
+	struct pf_driver *d = pf_drv();
+	bool was_implicit;
+	int ret = 0;
+
+	pthread_mutex_lock(&d->setup);
+	if (d->live && put_ref_setup(d, &was_implicit)) {
+		if (d->nbufs || d->handles) {
+			if (was_implicit)
+				d->implicit = true;
+			else
+				d->opens++;
+			pf_log("driver close refused: %zu buffer(s)%s still registered",
+			       d->nbufs, d->handles ? " and file handle(s)" : "");
+			ret = -EBUSY;
+		} else {
+			shutdown_setup(d);
+		}
+	}
+	pthread_mutex_unlock(&d->setup);
+	return ret;
+}
+
+PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
+{
+	struct pf_driver *d = pf_drv();
+	struct phxfile_stats out;
+	struct phx_cuda_stats cs;
+	uint32_t size;
+	int i;
+
+	if (!st || st->size < sizeof(uint32_t) * 2)
+		return -EINVAL;
+	size = st->size < sizeof(*st) ? st->size : sizeof(*st);
+	/* setup: no context is destroyed while its counters are read */
+	pthread_mutex_lock(&d->setup);
+	pthread_mutex_lock(&d->lock);
+	out = d->st;
+	out.path = d->live ? d->path : PHXFILE_PATH_NONE;
+	pthread_mutex_unlock(&d->lock);
+	for (i = 0; i < PF_MAX_DEVICES; i++) {
+		if (!d->ctx[i])
+			continue;
+		phx_cuda_stats(d->ctx[i], &cs);
+		out.staging_errors += cs.errors;
+		out.staging_chunks += cs.chunks;
+		out.h2d_bytes += cs.h2d_bytes;
+		out.d2h_bytes += cs.d2h_bytes;
+		out.pinned_bytes += cs.pinned_bytes;
+	}
+	pthread_mutex_unlock(&d->setup);
+	out.size = size;
+	memcpy(st, &out, size);
+	return 0;
+}

@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * io.c - phxFileReadAsync/WriteAsync.
+ *
+ * Staging (any buffer without a /dev/phx mapping): the transfer is
+ * libphx's phx_cuda_read_async/write_async on the caller's stream, with the
+ * caller's size and offset pointers (read when the stream gets there) and
+ * the result going to a slot of ours; behind it a host function
+ * (op_done) copies the result into the caller's bytes_done, counts it and
+ * logs a failure once.  Work queued after the call on the stream runs after
+ * op_done, so bytes_done is valid once the stream has passed the transfer.
+ *
+ * Direct (a registered buffer that /dev/phx mapped): one host function does
+ * the file I/O on the mapping when the stream reaches it (direct.c).
+ *
+ * Every transfer counts as in flight on its handle, its buffer and the
+ * driver until its host function has run: deregistration and driver close
+ * wait on that.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* The end of a transfer, on the CUDA callback thread: never blocks. */
+void pf_op_finish(struct pf_op *o, int64_t res)
+{
+	struct pf_driver *d = o->d;
+
+	*o->bytes_done = res;
+	pthread_mutex_lock(&d->lock);
+	if (res < 0) {
+		pf_fail_locked(d, (int)res, o->h->path,
+			       o->op == PHX_OP_READ ? "phxFileReadAsync" : "phxFileWriteAsync");
+	} else if (o->op == PHX_OP_READ) {
+		d->st.reads++;
+		d->st.bytes_read += (uint64_t)res;
+	} else {
+		d->st.writes++;
+		d->st.bytes_written += (uint64_t)res;
+	}
+	o->h->inflight--;
+	if (o->b)
+		o->b->inflight--;
+	d->st.inflight--;
+	pthread_cond_broadcast(&d->idle);
+	pthread_mutex_unlock(&d->lock);
+	free(o);
+}
+
+static void op_done(void *arg)
+{
+	struct pf_op *o = arg;
+
+	pf_op_finish(o, o->result);
+}
+
+/*
+ * Look up handle and buffer and count the transfer in flight; on success
+ * *@dev is the buffer's device.
+ */
+static int op_begin(struct pf_op *o, void *fh, int *dev)
+{
+	struct pf_driver *d = o->d;
+	int ptr_dev = -1;
+
+	for (;;) {
+		pthread_mutex_lock(&d->lock);
+		o->h = pf_handle_find_locked(d, fh);
+		if (!o->h) {
+			pthread_mutex_unlock(&d->lock);
+			return -EBADF;
+		}
+		o->b = pf_buf_find_locked(d, o->base);
+		if (o->b || ptr_dev >= 0)
+			break;
+		pthread_mutex_unlock(&d->lock);
+		/* unregistered: ask CUDA, outside the lock (see internal.h) */
+		ptr_dev = phx_cuda_ptr_device(o->base);
+		if (ptr_dev < 0)
+			return -EINVAL;
+	}
+	if (o->b) {
+		*dev = o->b->dev;
+	} else {
+		d->st.unregistered_ops++;
+		*dev = ptr_dev;
+	}
+	o->h->inflight++;
+	if (o->b)
+		o->b->inflight++;
+	d->st.inflight++;
+	pthread_mutex_unlock(&d->lock);
+	return 0;
+}
+
+/* Undo op_begin() for a transfer that was never queued. */
+static void op_abort(struct pf_op *o)
+{
+	struct pf_driver *d = o->d;
+
+	pthread_mutex_lock(&d->lock);
+	o->h->inflight--;
+	if (o->b)
+		o->b->inflight--;
+	d->st.inflight--;
+	pthread_cond_broadcast(&d->idle);
+	pthread_mutex_unlock(&d->lock);
+}
+
+static int queue_staging(struct pf_op *o, int dev, void *stream)
+{
+	struct pf_driver *d = o->d;
+	phx_cuda *cu;
+	int ret;
+
+	ret = pf_ctx_get(d, dev, &cu);
+	if (ret)
+		return ret;
+	pthread_mutex_lock(&d->lock);
+	d->st.staging_ops++;
+	pthread_mutex_unlock(&d->lock);
+	ret = o->op == PHX_OP_READ ?
+		phx_cuda_read_async(cu, o->h->f, o->base, o->size, o->foff, o->boff,
+				    &o->result, stream) :
+		phx_cuda_write_async(cu, o->h->f, o->base, o->size, o->foff, o->boff,
+				     &o->result, stream);
+	if (ret) {
+		pf_log("%s: libphx refused the transfer: %s", o->h->path, phx_cuda_strerror_last());
+		return ret;
+	}
+	ret = pf_cuda_launch(&d->cuda, dev, stream, op_done, o);
+	if (ret) {
+		/*
+		 * The transfer is queued and will write o->result; only its
+		 * bookkeeping could not be.  Wait for the stream here (no
+		 * host function of ours is pending) and finish it now.
+		 */
+		pf_log("%s: cannot queue the completion host function; waiting for the stream instead",
+		       o->h->path);
+		pf_cuda_sync(&d->cuda, dev, stream);
+		op_done(o);
+	}
+	return 0;
+}
+
+static int queue_direct(struct pf_op *o, int dev, void *stream)
+{
+	struct pf_driver *d = o->d;
+
+	pthread_mutex_lock(&d->lock);
+	d->st.direct_ops++;
+	pthread_mutex_unlock(&d->lock);
+	return pf_cuda_launch(&d->cuda, dev, stream, pf_direct_run, o);
+}
+
+static int transfer(uint32_t op, void *fh, void *buf_base, size_t *nbytes,
+		    int64_t *file_offset, int64_t *buf_offset, int64_t *bytes_done,
+		    void *stream)
+{
+	struct pf_driver *d = pf_drv();
+	const char *what = op == PHX_OP_READ ? "phxFileReadAsync" : "phxFileWriteAsync";
+	struct pf_op *o;
+	int dev = 0, ret;
+
+	if (!fh || !buf_base || !nbytes || !file_offset || !buf_offset || !bytes_done)
+		return pf_submit_fail(d, -EINVAL, NULL, what);
+	o = calloc(1, sizeof(*o));
+	if (!o)
+		return pf_submit_fail(d, -ENOMEM, NULL, what);
+	o->d = d;
+	o->op = op;
+	o->base = (uint64_t)(uintptr_t)buf_base;
+	o->size = nbytes;
+	o->foff = file_offset;
+	o->boff = buf_offset;
+	o->bytes_done = bytes_done;
+	ret = op_begin(o, fh, &dev);
+	if (ret) {
+		free(o);
+		return pf_submit_fail(d, ret, NULL, ret == -EBADF ?
+				      "transfer on an unregistered file handle" :
+				      "transfer on memory that is not on a GPU");
+	}
+	if (o->b && o->b->host)
+		ret = queue_direct(o, dev, stream);
+	else
+		ret = queue_staging(o, dev, stream);
+	if (ret) {
+		char path[PATH_MAX];
+
+		snprintf(path, sizeof(path), "%s", o->h->path);
+		op_abort(o);
+		free(o);
+		return pf_submit_fail(d, ret, path, what);
+	}
+	return 0;
+}
+
+PF_EXPORT int phxFileReadAsync(void *fh, void *buf_base, size_t *nbytes,
+			       int64_t *file_offset, int64_t *buf_offset,
+			       int64_t *bytes_done, void *stream)
+{
+	return transfer(PHX_OP_READ, fh, buf_base, nbytes, file_offset, buf_offset,
+			bytes_done, stream);
+}
+
+PF_EXPORT int phxFileWriteAsync(void *fh, void *buf_base, size_t *nbytes,
+				int64_t *file_offset, int64_t *buf_offset,
+				int64_t *bytes_done, void *stream)
+{
+	return transfer(PHX_OP_WRITE, fh, buf_base, nbytes, file_offset, buf_offset,
+			bytes_done, stream);
+}
