@@ -106,6 +106,9 @@ PF_EXPORT int phxFileBufRegister(const void *addr, size_t len)
 		if (ret > 0)
 			ret = 0;
 	}
+	/* the host functions of its transfers are queued in that context */
+	if (!ret)
+		ret = pf_cuda_retain(&d->cuda, nb.dev);
 	if (!ret && d->path == PHXFILE_PATH_DIRECT && pf_direct_map(d, &nb)) {
 		pthread_mutex_lock(&d->lock);
 		d->st.direct_fallbacks++;

@@ -1,0 +1,445 @@
+"""libphxfile.so driven through LMCache's own phx backend, on tests/gpu_fake's
+stand-in libcuda (run by tests/test_lmcache_fake.py in a subprocess with the
+fake first on LD_LIBRARY_PATH).
+
+"Device" memory is host memory there, so bytes are compared directly.  Each
+check prints ``ok NAME`` or ``FAIL NAME: why``; a crash shows as a missing
+line.  Usage: fake_checks.py WORKDIR SMALLFS_DIR|- CHECK...  (or ``all``).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from lmcache.v1.gpu_connector.gds_backends import phx as lmphx
+from lmcache.v1.gpu_connector.gds_backends.base import Submission
+
+import phx_lmcache
+
+cuda = ctypes.CDLL("libcuda.so.1")
+assert hasattr(cuda, "fake_sleep_async"), "not the fake libcuda"
+cuda.fake_sleep_async.argtypes = [ctypes.c_void_p, ctypes.c_ulong]
+cuda.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                                      ctypes.c_void_p]
+cuda.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+
+WORK, SMALLFS = sys.argv[1], sys.argv[2]
+RNG = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+MiB = 1 << 20
+
+
+def alloc(n: int) -> int:
+    p = ctypes.c_uint64()
+    assert cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)) == 0
+    return p.value
+
+
+def view(p: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(p))
+
+
+def stream() -> int:
+    s = ctypes.c_void_p()
+    assert cuda.cuStreamCreate(ctypes.byref(s), 1) == 0
+    return s.value
+
+
+def sync(s: int) -> None:
+    assert cuda.cuStreamSynchronize(ctypes.c_void_p(s)) == 0
+
+
+def busy(s: int, ms: int) -> None:
+    cuda.fake_sleep_async(ctypes.c_void_p(s), ms * 1000)
+
+
+BACKEND = lmphx.Backend()
+
+
+def lib():
+    return BACKEND.library()
+
+
+def register(p: int, n: int) -> None:
+    rc = lib().phxFileBufRegister(ctypes.c_void_p(p), ctypes.c_size_t(n))
+    assert rc == 0, rc
+
+
+def deregister(p: int) -> int:
+    return lib().phxFileBufDeregister(ctypes.c_void_p(p))
+
+
+def slab(name: str, size: int, where: str = WORK):
+    """LMCache's own open_slab: fallocated file, O_DIRECT, handle registered."""
+    d = os.path.join(where, name)
+    return BACKEND.open_slab(d, size, True)
+
+
+def random(n: int) -> np.ndarray:
+    return RNG.integers(0, 256, n, dtype=np.uint8)
+
+
+class Skip(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------
+
+def check_loaded_is_ours():
+    maps = open("/proc/self/maps").read()
+    want = os.path.realpath(phx_lmcache.library_path())
+    assert want in maps, "LMCache's libphxfile.so is not this package's"
+
+
+def check_roundtrip_chunks():
+    """Random KV chunks through the slab, split at 16 MiB-like region edges
+    (regions of 1 MiB + odd here), byte-exact, bytes_done per transfer."""
+    region, nreg = MiB + 4096 * 3, 4
+    buf = alloc(region * nreg)
+    for r in range(nreg):
+        register(buf + r * region, region)
+    s = stream()
+    h = slab("rt", 64 * MiB)
+    chunks = [(int(RNG.integers(1, 3 * region)), int(RNG.integers(0, 60 * MiB)))
+              for _ in range(24)]
+    for size, foff in chunks:
+        data = random(size)
+        src = alloc(size)
+        view(src, size)[:] = data
+        register(src, size)
+        sub = h.write_async(src, size, foff, 0, s)
+        sync(s)
+        assert sub.bytes_done == size, (sub.bytes_done, size)
+        # read back into the staging regions, cut at region boundaries as
+        # GDSContext.transfer_async does
+        dst_off = int(RNG.integers(0, region))
+        pos, subs = 0, []
+        while pos < size:
+            r, off = divmod(dst_off + pos, region)
+            if r >= nreg:
+                break
+            seg = min(size - pos, region - off)
+            subs.append((h.read_async(buf + r * region, seg, foff + pos, off, s), seg))
+            pos += seg
+        sync(s)
+        assert all(x.bytes_done == seg for x, seg in subs), [x.bytes_done for x, _ in subs]
+        got = view(buf + dst_off, pos)
+        assert (got == data[:pos]).all(), "bytes differ"
+        assert deregister(src) == 0
+    st = phx_lmcache.stats()
+    assert st["failures"] == 0 and st["reads"] > 0 and st["writes"] == len(chunks), st
+    h.close()
+    for r in range(nreg):
+        assert deregister(buf + r * region) == 0
+
+
+def check_deferred_arguments():
+    """The Submission's size and offsets are read when the stream arrives."""
+    n = 3 * MiB + 7
+    data = random(n)
+    h = slab("deferred", 8 * MiB)
+    src = alloc(n)
+    register(src, n)
+    view(src, n)[:] = data
+    s = stream()
+    w = h.write_async(src, n, 0, 0, s)
+    sync(s)
+    assert w.bytes_done == n
+    dst = alloc(n + 100)
+    register(dst, n + 100)
+    view(dst, n + 100)[:] = 0xAB
+    busy(s, 200)
+    sub = h.read_async(dst, 10, 0, 0, s)      # placeholder arguments...
+    sub.size.value = 123457                    # ...changed before arrival
+    sub.file_offset.value = 4099
+    sub.buf_offset.value = 17
+    sync(s)
+    assert sub.bytes_done == 123457, sub.bytes_done
+    got = view(dst, n + 100)
+    assert (got[17:17 + 123457] == data[4099:4099 + 123457]).all()
+    assert (got[:17] == 0xAB).all() and (got[17 + 123457:] == 0xAB).all()
+    h.close()
+    deregister(src)
+    deregister(dst)
+
+
+def check_work_after_read_sees_data():
+    """A copy queued after the read on the same stream sees the read's data
+    (the stream is held up first, so nothing has run at queue time)."""
+    n = 5 * MiB + 11
+    data = random(n)
+    h = slab("order", 8 * MiB)
+    src = alloc(n)
+    register(src, n)
+    view(src, n)[:] = data
+    s = stream()
+    w = h.write_async(src, n, 4096, 0, s)   # kept: its arguments are read later
+    sync(s)
+    assert w.bytes_done == n
+    dst = alloc(n)
+    register(dst, n)
+    host = np.zeros(n, dtype=np.uint8)
+    busy(s, 100)
+    sub = h.read_async(dst, n, 4096, 0, s)
+    assert cuda.cuMemcpyDtoHAsync_v2(host.ctypes.data, dst, n, ctypes.c_void_p(s)) == 0
+    sync(s)
+    assert sub.bytes_done == n
+    assert (host == data).all(), "work queued after the read missed its data"
+    h.close()
+    deregister(src)
+    deregister(dst)
+
+
+def check_threads_and_streams():
+    """Eight threads, each with its own stream, region and slab range."""
+    h = slab("threads", 64 * MiB)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        try:
+            s = stream()
+            n = 2 * MiB + 13 * k + 1
+            buf = alloc(2 * n)
+            register(buf, 2 * n)
+            for it in range(6):
+                data = random(n)
+                view(buf, n)[:] = data
+                foff = k * 8 * MiB + it * 7
+                w = h.write_async(buf, n, foff, 0, s)
+                r = h.read_async(buf, n, foff, n, s)
+                sync(s)
+                if (w.bytes_done, r.bytes_done) != (n, n):
+                    errors.append(f"{k}/{it}: {w.bytes_done} {r.bytes_done}")
+                if not (view(buf + n, n) == data).all():
+                    errors.append(f"{k}/{it}: bytes differ")
+            assert deregister(buf) == 0
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{k}: {e!r}")
+
+    th = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    assert not errors, errors
+    h.close()
+
+
+def check_unregistered_buffer():
+    """An unregistered GPU buffer works and is counted; host memory is -EINVAL."""
+    before = phx_lmcache.stats()["unregistered_ops"]
+    n = MiB + 5
+    data = random(n)
+    src = alloc(n)
+    view(src, n)[:] = data
+    h = slab("unreg", 4 * MiB)
+    s = stream()
+    w = h.write_async(src, n, 0, 0, s)
+    dst = alloc(n)
+    r = h.read_async(dst, n, 0, 0, s)
+    sync(s)
+    assert (w.bytes_done, r.bytes_done) == (n, n)
+    assert (view(dst, n) == data).all()
+    assert phx_lmcache.stats()["unregistered_ops"] == before + 2
+    host = np.zeros(4096, dtype=np.uint8)
+    try:
+        h.read_async(host.ctypes.data, 4096, 0, 0, s)
+    except RuntimeError as e:
+        assert f"rc={-errno.EINVAL}" in str(e), e
+    else:
+        raise AssertionError("host memory accepted")
+    h.close()
+
+
+def check_enospc():
+    """A slab on a full filesystem: a write past the fallocated slab fails
+    with -ENOSPC in bytes_done, logged once, and the slab is untouched."""
+    if SMALLFS == "-":
+        raise Skip("no small filesystem (needs root to mount one)")
+    h = slab("small", 4 * MiB, SMALLFS)
+    n = 2 * MiB
+    data = random(n)
+    src = alloc(n)
+    register(src, n)
+    view(src, n)[:] = data
+    s = stream()
+    ok = h.write_async(src, n, 0, 0, s)
+    sync(s)
+    assert ok.bytes_done == n
+    filler = os.path.join(SMALLFS, "filler")
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    before = phx_lmcache.stats()["failures"]
+    bad = [h.write_async(src, n, (8 + 2 * i) * MiB, 0, s) for i in range(2)]
+    sync(s)
+    assert [b.bytes_done for b in bad] == [-errno.ENOSPC] * 2, [b.bytes_done for b in bad]
+    st = phx_lmcache.stats()
+    assert st["failures"] == before + 2 and st["last_error"] == -errno.ENOSPC, st
+    dst = alloc(n)
+    register(dst, n)
+    r = h.read_async(dst, n, 0, 0, s)
+    sync(s)
+    assert r.bytes_done == n and (view(dst, n) == data).all(), "slab corrupted"
+    h.close()
+    os.unlink(filler)
+    deregister(src)
+    deregister(dst)
+
+
+def check_closed_fd():
+    """A closed fd is -EBADF; closing the caller's fd after registration and
+    reusing its number for another file never redirects the slab's I/O."""
+    path = os.path.join(WORK, "closed.bin")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    os.ftruncate(fd, 4 * MiB)
+    os.close(fd)
+    fh = ctypes.c_void_p()
+    rc = lib().phxFileHandleRegister(ctypes.byref(fh), fd)
+    assert rc == -errno.EBADF, rc
+    try:
+        BACKEND.register_handle(fd)
+    except RuntimeError as e:
+        assert f"rc={-errno.EBADF}" in str(e)
+    else:
+        raise AssertionError("closed fd accepted")
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    hnd = BACKEND.register_handle(fd)
+    os.close(fd)
+    other = os.path.join(WORK, "other.bin")
+    fd2 = os.open(other, os.O_CREAT | os.O_RDWR, 0o644)
+    assert fd2 == fd, "the fd number was not reused; the check needs it"
+    n = 64 * 1024
+    data = random(n)
+    src = alloc(n)
+    view(src, n)[:] = data
+    register(src, n)
+    s = stream()
+    sub = Submission(n, 0, 0)
+    rc = lib().phxFileWriteAsync(ctypes.c_void_p(hnd), ctypes.c_void_p(src),
+                                 ctypes.byref(sub.size), ctypes.byref(sub.file_offset),
+                                 ctypes.byref(sub.buf_offset), ctypes.byref(sub.result),
+                                 ctypes.c_void_p(s))
+    assert rc == 0
+    sync(s)
+    assert sub.bytes_done == n
+    assert os.fstat(fd2).st_size == 0, "I/O went to the file that reused the number"
+    assert (np.fromfile(path, dtype=np.uint8, count=n) == data).all()
+    os.close(fd2)
+    assert lib().phxFileHandleDeregister(ctypes.c_void_p(hnd)) == 0
+    assert lib().phxFileHandleDeregister(ctypes.c_void_p(hnd)) == -errno.EBADF
+    # a stale handle in a transfer: -EBADF, no crash
+    rc = lib().phxFileReadAsync(ctypes.c_void_p(hnd), ctypes.c_void_p(src),
+                                ctypes.byref(sub.size), ctypes.byref(sub.file_offset),
+                                ctypes.byref(sub.buf_offset), ctypes.byref(sub.result),
+                                ctypes.c_void_p(s))
+    assert rc == -errno.EBADF, rc
+    deregister(src)
+
+
+def check_registration_rules():
+    """Overlaps, unknown bases, deregistration with I/O in flight."""
+    n = 2 * MiB
+    p = alloc(n)
+    register(p, n)
+    assert lib().phxFileBufRegister(ctypes.c_void_p(p + 4096), ctypes.c_size_t(4096)) == -errno.EEXIST
+    assert lib().phxFileBufRegister(ctypes.c_void_p(p), ctypes.c_size_t(0)) == -errno.EINVAL
+    assert deregister(p + 1) == -errno.ENOENT
+    h = slab("rules", 4 * MiB)
+    s = stream()
+    busy(s, 200)
+    sub = h.read_async(p, n, 0, 0, s)
+    assert deregister(p) == -errno.EBUSY
+    sync(s)
+    assert sub.bytes_done == n
+    assert deregister(p) == 0
+    assert deregister(p) == -errno.ENOENT
+    h.close()
+
+
+def check_close_with_io_in_flight():
+    """Deregistering a handle (LMCache's slab close) with transfers queued
+    waits for them; the driver refuses to close while anything is
+    registered and closes once it is not."""
+    n = 4 * MiB
+    data = random(n)
+    p = alloc(n)
+    register(p, n)
+    view(p, n)[:] = data
+    h = slab("inflight", 8 * MiB)
+    s = stream()
+    busy(s, 300)
+    w = h.write_async(p, n, 0, 0, s)
+    t0 = time.monotonic()
+    rc = lib().phxFileDriverClose()
+    assert rc == -errno.EBUSY, rc
+    h.close()                      # phxFileHandleDeregister, then os.close
+    waited = time.monotonic() - t0
+    assert waited > 0.2, f"deregistration did not wait ({waited:.3f} s)"
+    assert w.bytes_done == n, w.bytes_done
+    assert phx_lmcache.stats()["inflight"] == 0
+    assert (np.fromfile(os.path.join(WORK, "inflight", "lmcache_gds_slab.bin"),
+                        dtype=np.uint8, count=n) == data).all()
+    assert deregister(p) == 0
+
+
+def check_driver_refcount():
+    """Explicit opens are counted; the implicit one (LMCache never calls
+    phxFileDriverOpen) is dropped by one close; extra closes are no-ops."""
+    L = lib()
+    st = phx_lmcache.stats()
+    assert st["buffers"] == 0 and st["handles"] == 0, st
+    while phx_lmcache.stats()["path"] != "none":
+        assert L.phxFileDriverClose() == 0
+    assert L.phxFileDriverClose() == 0
+    opens = phx_lmcache.stats()["driver_opens"]
+    assert L.phxFileDriverOpen() == 0 and L.phxFileDriverOpen() == 0
+    assert phx_lmcache.stats()["driver_opens"] == opens + 1
+    assert L.phxFileDriverClose() == 0
+    assert phx_lmcache.stats()["path"] != "none"
+    assert L.phxFileDriverClose() == 0
+    assert phx_lmcache.stats()["path"] == "none"
+    # implicit: a registration opens it, the backend's close_driver closes it
+    p = alloc(4096)
+    register(p, 4096)
+    assert phx_lmcache.stats()["path"] != "none"
+    assert deregister(p) == 0
+    BACKEND._driver.acquire(BACKEND, BACKEND._open_driver)
+    BACKEND.close_driver()
+    assert phx_lmcache.stats()["path"] == "none"
+
+
+CHECKS = {name[6:]: fn for name, fn in globals().items() if name.startswith("check_")}
+
+
+def main() -> int:
+    names = sys.argv[3:]
+    if names == ["all"]:
+        # the refcount check needs a driver with nothing registered: first
+        names = ["driver_refcount"] + [n for n in CHECKS if n != "driver_refcount"]
+    for name in names:
+        try:
+            CHECKS[name]()
+            print(f"ok {name}", flush=True)
+        except Skip as e:
+            print(f"skip {name}: {e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            tb = traceback.format_exc().strip().splitlines()
+            print(f"FAIL {name}: {e!r} [{' | '.join(tb[-4:])}]", flush=True)
+    st = phx_lmcache.stats()
+    print("stats", st, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

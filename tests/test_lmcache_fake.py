@@ -1,0 +1,141 @@
+"""libphxfile.so through LMCache's own ``gds_backends.phx`` code on the fake
+libcuda of tests/gpu_fake (no GPU needed).
+
+``adapters/lmcache/tests/fake_checks.py`` runs in a child with the fake
+first on LD_LIBRARY_PATH: LMCache's ``open_slab`` and ``AsyncHandle``
+``read_async``/``write_async`` with ctypes ``Submission``s, on random data,
+unaligned sizes and offsets, cut at region edges as ``GDSContext`` cuts
+them; deferred arguments; a copy queued after a read sees its data; eight
+threads on eight streams; unregistered buffers; ENOSPC on a full small
+filesystem (logged once); closed and reused fds; registration rules; handle
+deregistration with transfers queued; driver references.  Both paths: Co-DMA
+staging (libphx) and the direct path's code with the test hook that uses the
+fake's "device" memory as its own mapping (the real /dev/phx mapping needs
+phx.ko on a GPU machine: not available here).  Slabs on the box's ext4 and
+on an xfs loop mount (root).  This proves the adapter's logic, not CUDA:
+tests/test_lmcache_gpu.py checks the same on a real GPU.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "adapters", "lmcache", "tests"))
+import support  # noqa: E402
+
+SITE = support.lmcache_site()
+CHECKS = ["driver_refcount", "loaded_is_ours", "roundtrip_chunks", "deferred_arguments",
+          "work_after_read_sees_data", "threads_and_streams", "unregistered_buffer",
+          "enospc", "closed_fd", "registration_rules", "close_with_io_in_flight"]
+pytestmark = [
+    pytest.mark.skipif(not support.phx_lmcache_installed(),
+                       reason="phx_lmcache/libphxfile.so not installed (pip install .)"),
+    pytest.mark.skipif(SITE is None, reason=f"lmcache not installed: {support.INSTALL_HINT}"),
+]
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("needs a C compiler for tests/gpu_fake/fake_cuda.c")
+    d = tmp_path_factory.mktemp("fakecuda")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"),
+                    os.path.join(support.ROOT, "tests", "gpu_fake", "fake_cuda.c"),
+                    "-lpthread"], check=True)
+    return d
+
+
+def _mount(kind: str, where: str, image: str | None = None) -> bool:
+    if os.geteuid() != 0:
+        return False
+    os.makedirs(where, exist_ok=True)
+    if kind == "tmpfs":
+        cmd = ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", where]
+    else:
+        subprocess.run(["truncate", "-s", "512M", image], check=True)
+        if subprocess.run(["mkfs.xfs", "-q", "-f", image], capture_output=True).returncode:
+            return False
+        cmd = ["mount", "-o", "loop", image, where]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _umount(where: str) -> None:
+    subprocess.run(["umount", where], capture_output=True)
+
+
+def _run(fake, workdir: str, smallfs: str, mode: str) -> tuple[dict[str, str], str]:
+    extra = {"LD_LIBRARY_PATH": str(fake), "PHX_CUDA_LANES": "2"}
+    if mode == "direct":
+        extra["PHXFILE_TEST_DIRECT"] = "identity"
+    r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
+                       [workdir, smallfs, "all"], support.child_env(SITE, **extra))
+    results = {}
+    for line in r.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("ok", "FAIL", "skip"):
+            name, _, why = rest.partition(":")
+            results[name] = f"{word}{':' + why if why else ''}"
+    assert r.returncode == 0, f"the checks crashed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return results, r.stderr
+
+
+@pytest.fixture(scope="module", params=["staging", "direct"])
+def results(request, fake_cuda, tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"phxfile-{request.param}")
+    small = str(base / "small")
+    mounted = _mount("tmpfs", small)
+    try:
+        out, err = _run(fake_cuda, str(base), small if mounted else "-", request.param)
+    finally:
+        if mounted:
+            _umount(small)
+    return request.param, out, err
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_fake(results, check):
+    mode, out, _ = results
+    got = out.get(check, "missing (the child died before it)")
+    if got.startswith("skip"):
+        pytest.skip(got)
+    assert got == "ok", f"{mode}: {got}"
+
+
+def test_path_logged_once_at_open(results):
+    """The driver says which path ran, at every open, and nothing else."""
+    mode, _, err = results
+    opens = [l for l in err.splitlines() if "driver open (libphx" in l]
+    assert opens and all(f"path={mode}" in l for l in opens), opens
+
+
+def test_failure_logged_once_per_errno_and_file(results):
+    """Two ENOSPC failures on one slab: one log line with errno and file."""
+    mode, out, err = results
+    if not out.get("enospc", "").startswith("ok"):
+        pytest.skip("the ENOSPC check did not run")
+    lines = [l for l in err.splitlines() if "No space left on device" in l]
+    assert len(lines) == 1, lines
+    assert "errno 28" in lines[0] and "lmcache_gds_slab.bin" in lines[0]
+
+
+def test_slab_on_xfs(fake_cuda, tmp_path):
+    """The write-then-read checks with the slab on xfs (loop mount, root)."""
+    mnt = str(tmp_path / "xfs")
+    if not shutil.which("mkfs.xfs") or not _mount("xfs", mnt, str(tmp_path / "xfs.img")):
+        pytest.skip("needs root and mkfs.xfs for an xfs loop mount")
+    try:
+        extra = {"LD_LIBRARY_PATH": str(fake_cuda), "PHX_CUDA_LANES": "2"}
+        r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
+                           [mnt, "-", "roundtrip_chunks", "deferred_arguments",
+                            "threads_and_streams", "closed_fd"],
+                           support.child_env(SITE, **extra))
+    finally:
+        _umount(mnt)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 4, r.stdout
