@@ -655,11 +655,6 @@ def test_pread_batch_one_submission(big_file):
 # copy of libphx's process-wide inode write-claim table and do not see each
 # other's partial-block claims.  Seen on the H200 and with the fake CUDA
 # (tests/test_gpu_fake.py).  Strict: it turns into a failure once fixed.
-SPLIT_LIBPHX = ("libphx is linked into each extension module: host handles and GPU "
-                "lanes keep separate partial-block claim tables (python/CMakeLists.txt)")
-
-
-@pytest.mark.xfail(strict=True, reason=SPLIT_LIBPHX)
 def test_two_handles_and_gpu_write_disjoint_bytes_of_same_blocks(data_dir, rng):
     """Issue 9: host phx handles on their own engines and phx.gpu writing
     disjoint, unaligned byte ranges inside the same 4 KiB blocks at the same

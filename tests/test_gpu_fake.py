@@ -183,9 +183,6 @@ SHARED_BLOCKS = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="libphx is linked into each extension module: host "
-                   "handles and GPU lanes keep separate partial-block claim tables "
-                   "(python/CMakeLists.txt)")
 def test_host_handles_and_gpu_lanes_share_partial_block_claims(fake_build, tmp_path):
     """Issue 9 on the fake: two host handles on their own engines and the GPU
     lanes write disjoint, unaligned bytes of the same 4 KiB blocks at once."""
