@@ -1,0 +1,279 @@
+"""``phx bench lmcache``: LMCache's KV tiers side by side on one GPU.
+
+Chunk rows (``--mode chunks``): a Llama-3-8B KV chunk (32 layers, 8 KV heads
+x 128, bf16, 256 tokens = 32 MiB in LMCache's [2, L, T, H] layout), ``--chunks``
+distinct random chunks stored from GPU memory and loaded back, through
+
+* ``phx``            LMCache's GDSContext with its ``phx`` backend (libphxfile.so),
+* ``cufile``         the same GDSContext with LMCache's ``cufile`` backend; where
+                     it cannot start, ``kvikio`` (KvikIO compat mode through the
+                     same GDSContext) instead, and the reason is recorded,
+* ``host-buffered``  LMCache's LocalDiskBackend file I/O, ``use_odirect`` off,
+* ``host-odirect``   the same with ``use_odirect`` on,
+
+on the disk (``--dir``) and, with ``--zram SIZE``, on a RAM-speed zram ext4
+(where software decides).  Store and load GB/s (all chunks queued, then one
+wait), per-chunk p50/p99 (one chunk at a time, waited for), CPU seconds per
+GB (user + system of the process: libphx's lanes and LMCache's threads are
+in it).  Every load is checked byte-exact against the stored chunks; the page
+cache is dropped before every load row; methods are interleaved in a new
+order each repeat.
+
+The agentic replay (``--mode replay``, ``phx.bench._lmcache_replay``): TTFT
+per round = prefix KV load from the slab + prefill of the new tokens on a
+randomly initialised Llama-3-8B-shaped model, and the sessions served
+within a 5 s TTFT.
+
+Needs torch with CUDA and lmcache 0.5.6 (``adapters/lmcache/tools/
+lmcache-deps.sh``); without them it says why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import sys
+import time
+from typing import Any
+
+from phx.bench._common import drop_caches, fmt_table, median_spread, parse_size, write_json
+
+MiB, GiB = 1 << 20, 1 << 30
+METHODS = ("phx", "cufile", "host-buffered", "host-odirect")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="chunks,replay", help="chunks, replay or both (default)")
+    p.add_argument("--dir", default=None,
+                   help="directory on the disk (default $PHX_BENCH_DIR or /var/tmp/phxbench)")
+    p.add_argument("--zram", metavar="SIZE", default=None,
+                   help="also run on a zram ext4 of SIZE (root)")
+    p.add_argument("--no-disk", action="store_true", help="zram rows only")
+    p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
+    p.add_argument("--chunks", type=int, default=128, help="chunks per store/load row (default 128 = 4 GiB)")
+    p.add_argument("--latency-chunks", type=int, default=32, help="chunks timed one by one (default 32)")
+    p.add_argument("--repeat", type=int, default=3, help="repeats per row (default 3)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a plot here (PNG)")
+    from phx.bench import _lmcache_replay
+    _lmcache_replay.add_arguments(p)
+
+
+def _why_not() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    try:
+        import lmcache.v1.gpu_connector.gds_context  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return (f"lmcache 0.5.6 cannot be imported ({type(e).__name__}: {e}); "
+                "see adapters/lmcache/tools/lmcache-deps.sh")
+    return None
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _open(name: str, directory: str, slab: int, shape, pools, notes: dict):
+    from phx.bench._lmcache_methods import open_method
+    m, why = open_method(name, directory, slab, shape, pools)
+    if m is None and name == "cufile":
+        notes["cufile"] = f"LMCache's cufile backend did not start: {why}; KvikIO compat instead"
+        print(f"lmcache bench: {notes['cufile']}", file=sys.stderr)
+        m, why = open_method("kvikio", directory, slab, shape, pools)
+    if m is None:
+        notes[name] = why
+        print(f"lmcache bench: {name} skipped: {why}", file=sys.stderr)
+    return m
+
+
+def _row(m, src, dst, n: int, nlat: int, order: list[int]) -> dict[str, Any]:
+    """Store n chunks, drop caches, load them back (checked), then time
+    nlat single-chunk loads."""
+    import torch
+    chunk = src.chunk
+    t0, c0 = time.perf_counter(), _cpu()
+    for i in range(n):
+        m.store(src, i, order[i])
+    m.sync()
+    torch.cuda.synchronize()
+    st, sc = time.perf_counter() - t0, _cpu() - c0
+    dropped = drop_caches()
+    dst.t.zero_()
+    torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), _cpu()
+    for i in range(n):
+        m.load(dst, i, order[i])
+    m.sync()
+    torch.cuda.synchronize()
+    lt, lc = time.perf_counter() - t0, _cpu() - c0
+    exact = bool(torch.equal(src.t[:n * chunk], dst.t[:n * chunk]))
+    drop_caches()
+    lat = []
+    for i in range(min(nlat, n)):
+        t1 = time.perf_counter()
+        m.load(dst, i, order[i])
+        m.sync()
+        torch.cuda.synchronize()
+        lat.append(time.perf_counter() - t1)
+    gb = n * chunk / 1e9
+    return {"method": m.name, "store_gbps": gb / st, "load_gbps": gb / lt,
+            "store_cpu_s_per_gb": sc / gb, "load_cpu_s_per_gb": lc / gb,
+            "load_p50_ms": 1e3 * _pct(lat, 0.5), "load_p99_ms": 1e3 * _pct(lat, 0.99),
+            "byte_exact": exact, "cache_dropped": dropped}
+
+
+def chunk_rows(args, device: str, directory: str, results: list, notes: dict) -> None:
+    import torch
+    from phx.bench._lmcache_methods import GPUPool, llama3_8b_chunk_shape
+    shape = llama3_8b_chunk_shape(args.tokens)
+    n = args.chunks
+    src, dst = GPUPool(n, shape), GPUPool(n, shape)
+    src.fill_random(random.randrange(1 << 30))
+    slab = n * src.chunk
+    names = [x for x in args.methods.split(",") if x]
+    opened = {}
+    for name in names:
+        m = _open(name, os.path.join(directory, "lmcache-bench"), slab, shape, [src, dst], notes)
+        if m is not None:
+            opened[name] = m
+    try:
+        for rep in range(args.repeat):
+            order = list(range(n))
+            random.shuffle(order)       # chunks land at scattered slab offsets
+            names_now = list(opened)
+            random.shuffle(names_now)
+            for name in names_now:
+                r = _row(opened[name], src, dst, n, args.latency_chunks, order)
+                r.update(device=device, repeat=rep, chunk_bytes=src.chunk, chunks=n)
+                results.append(r)
+                print(f"{device:5} {r['method']:14} store {r['store_gbps']:6.2f} GB/s  "
+                      f"load {r['load_gbps']:6.2f} GB/s  p50 {r['load_p50_ms']:7.2f} ms  "
+                      f"p99 {r['load_p99_ms']:7.2f} ms  exact={r['byte_exact']}",
+                      file=sys.stderr)
+    finally:
+        for m in opened.values():
+            m.close()
+        del src, dst
+        torch.cuda.empty_cache()
+        import shutil
+        shutil.rmtree(os.path.join(directory, "lmcache-bench"), ignore_errors=True)
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    keys = ("store_gbps", "load_gbps", "store_cpu_s_per_gb", "load_cpu_s_per_gb",
+            "load_p50_ms", "load_p99_ms")
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["device"], r["method"]), []).append(r)
+    for (dev, meth), rs in groups.items():
+        row = {"device": dev, "method": meth, "repeats": len(rs),
+               "byte_exact": all(r["byte_exact"] for r in rs)}
+        for k in keys:
+            med, spread = median_spread([r[k] for r in rs])
+            row[k], row[k + "_spread"] = med, spread
+        out.append(row)
+    for row in out:
+        ref = next((r for r in out if r["device"] == row["device"] and r["method"] == "phx"), None)
+        row["phx_load_x"] = ref["load_gbps"] / row["load_gbps"] if ref and row["load_gbps"] else None
+    return out
+
+
+def _print(summary: list[dict]) -> None:
+    rows = [[s["device"], s["method"], f"{s['store_gbps']:.2f}", f"{s['load_gbps']:.2f}",
+             f"{s['load_gbps_spread']:.0%}",
+             f"{s['load_p50_ms']:.1f}", f"{s['load_p99_ms']:.1f}",
+             f"{s['load_cpu_s_per_gb']:.3f}", f"{s['store_cpu_s_per_gb']:.3f}",
+             "yes" if s["byte_exact"] else "NO",
+             f"{s['phx_load_x']:.2f}" if s["phx_load_x"] else "-"] for s in summary]
+    print(fmt_table(["device", "method", "store GB/s", "load GB/s", "spread", "p50 ms",
+                     "p99 ms", "load CPU s/GB", "store CPU s/GB", "exact", "phx/x load"], rows))
+
+
+def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = 2 if replay else 1
+    fig, axes = plt.subplots(1, n, figsize=(7 * n, 4.5))
+    axes = axes if n > 1 else [axes]
+    devs = sorted({s["device"] for s in summary})
+    meths = sorted({s["method"] for s in summary})
+    w = 0.8 / max(1, len(meths))
+    for j, m in enumerate(meths):
+        ys = [next((s["load_gbps"] for s in summary if s["device"] == d and s["method"] == m), 0)
+              for d in devs]
+        axes[0].bar([i + j * w for i in range(len(devs))], ys, w, label=m)
+    axes[0].set_xticks([i + 0.4 - w / 2 for i in range(len(devs))], devs)
+    axes[0].set_ylabel("KV chunk load GB/s")
+    axes[0].legend()
+    if replay:
+        from phx.bench._lmcache_replay import plot_ttft
+        plot_ttft(axes[1], replay)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args) -> int:
+    why = _why_not()
+    if why:
+        print(f"phx bench lmcache: not run: {why}")
+        return 0
+    modes = set(args.mode.split(","))
+    directory = args.dir or os.environ.get("PHX_BENCH_DIR") or "/var/tmp/phxbench"
+    os.makedirs(directory, exist_ok=True)
+    results: list[dict] = []
+    notes: dict[str, str] = {}
+    replay: dict[str, Any] = {}
+    places = [] if args.no_disk else [("disk", directory)]
+    from phx.bench import _lmcache_replay, _zram
+    zram_cm = None
+    if args.zram:
+        size = parse_size(args.zram)
+        bad = _zram.unavailable(size)
+        if bad:
+            notes["zram"] = bad
+            print(f"lmcache bench: zram rows skipped: {bad}", file=sys.stderr)
+        else:
+            zram_cm = _zram.zram_ext4(size)
+            places.append(("zram", zram_cm.__enter__().mountpoint))
+    try:
+        for device, d in places:
+            if "chunks" in modes:
+                chunk_rows(args, device, d, results, notes)
+            if "replay" in modes:
+                replay[device] = _lmcache_replay.run_replay(args, device, d, notes)
+    finally:
+        if zram_cm is not None:
+            zram_cm.__exit__(None, None, None)
+    summary = summarise(results) if results else []
+    if summary:
+        _print(summary)
+    for device, rep in replay.items():
+        _lmcache_replay.print_summary(device, rep)
+    import phx_lmcache
+    payload = {"benchmark": "lmcache",
+               "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+               "notes": notes, "rows": results, "summary": summary, "replay": replay,
+               "libphxfile": phx_lmcache.stats()}
+    write_json(args.json, payload)
+    if args.plot and (summary or replay):
+        _plot(summary, next(iter(replay.values()), None), args.plot)
+    bad = [s for s in summary if not s["byte_exact"]]
+    for s in bad:
+        print(f"phx bench lmcache: {s['device']} {s['method']}: loaded bytes differ!",
+              file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,99 @@
+#!/bin/bash
+# tools/lmcache_gpu_run.sh - the LMCache adapter on the H200 box, in one call
+# of the device tool: build and install phx the way a user does (pip install
+# . into the box's Python, so the .pth import hook is live), install LMCache
+# 0.5.6 from carried wheels, run the lmcache tests, the chunk benchmark and
+# the agentic replay.  Logs and JSON go to $OUT.
+#
+#   tools/lmcache_gpu_run.sh small     build, all lmcache tests, short bench + replay (~4 min)
+#   tools/lmcache_gpu_run.sh chunks    build, full chunk benchmark, disk and zram (~5 min)
+#   tools/lmcache_gpu_run.sh replay    build, full replay on zram, short on disk (~5 min)
+#   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
+#                                      bench-full replay-full
+#
+# Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
+# the small packages the box's venv lacks, from `adapters/lmcache/tools/
+# lmcache-deps.sh download .whl-lmcache 3.12`, 27 MiB) and .devcarry (deb/:
+# Debian's liburing-dev + liburing2 .debs for the build; whl/: KvikIO wheels,
+# used only where LMCache's cufile backend cannot start).
+set -uo pipefail
+OUT=${OUT:-/tmp/phx-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+TESTDIR=/var/tmp/phxtest
+BENCHDIR=/var/tmp/phxbench
+mkdir -p $TESTDIR $BENCHDIR
+LOG=$OUT/lmcache.log
+log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+
+setup() {
+	log setup
+	mkdir -p /tmp/uring
+	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
+	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lmsite \
+		.whl-lmcache/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
+	if ls .devcarry/whl/*.whl >/dev/null 2>&1; then
+		python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvsite \
+			.devcarry/whl/*.whl >>"$LOG" 2>&1
+		export LD_LIBRARY_PATH=/tmp/kvsite/libkvikio/lib64:/tmp/kvsite/rapids_logger/lib64:${LD_LIBRARY_PATH:-}
+	fi
+	# lmcache on PYTHONPATH, the tests find it there (support.lmcache_site)
+	export PYTHONPATH=/tmp/lmsite:/tmp/kvsite
+	export PHX_LMCACHE_SITE=/tmp/lmsite
+}
+
+build() {
+	log build: pip install . into $(python3 -c 'import sys; print(sys.prefix)')
+	python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
+		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
+		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
+	# what LMCache loads, found with no environment (the hook from the .pth)
+	(cd /tmp && env -u LD_LIBRARY_PATH python3 -W ignore -m phx_lmcache) 2>&1 | tee -a "$LOG"
+	nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv 2>&1 | tee -a "$LOG"
+}
+
+tests() {
+	log tests
+	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -ra -p no:cacheprovider \
+		tests/test_lmcache_gpu.py tests/test_lmcache_cpu.py tests/test_lmcache_fake.py \
+		tests/test_lmcache_bench.py 2>&1 | tee -a "$LOG" | tail -40
+}
+
+bench() {	# $1 name, then phx bench lmcache options
+	local name=$1
+	shift
+	log "bench $name: $*"
+	timeout ${BENCH_TIMEOUT:-540} python3 -m phx bench lmcache --dir $BENCHDIR \
+		--json "$OUT/$name.json" --plot "$OUT/$name.png" "$@" 2>&1 | tee -a "$LOG" | tail -60
+}
+
+step() {
+	case $1 in
+	setup) setup ;;
+	build) build ;;
+	tests) tests ;;
+	bench-small) bench bench-small --mode chunks --chunks 16 --latency-chunks 8 --repeat 1 \
+		--zram 4G ;;
+	replay-small) bench replay-small --mode replay --no-disk --zram 8G --sessions 2 --rounds 8 \
+		--token-scale 0.0625 --concurrency 1,2,4,8 ;;
+	bench-full) bench bench-full --mode chunks --chunks 128 --latency-chunks 32 --repeat 3 \
+		--zram 20G ;;
+	replay-full) bench replay-full --mode replay --no-disk --zram 16G --sessions 6 --rounds 30 \
+		--token-scale 0.125 ;;
+	replay-disk) bench replay-disk --mode replay --sessions 2 --rounds 10 --token-scale 0.0625 \
+		--concurrency 1,2,4,8 ;;
+	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
+	esac
+}
+
+case ${1:-small} in
+small) set -- setup build tests bench-small replay-small ;;
+chunks) set -- setup build bench-full ;;
+replay) set -- setup build replay-full replay-disk ;;
+esac
+rc=0
+for s in "$@"; do
+	step "$s" || { rc=$?; log "step $s failed ($rc)"; [ "$s" = setup ] || [ "$s" = build ] && break; }
+done
+log "done (rc $rc)"
+exit $rc
