@@ -45,3 +45,60 @@ def test_bench_without_a_gpu_says_why():
                        text=True, timeout=120)
     assert r.returncode == 0
     assert "not run:" in r.stdout
+
+
+def test_prefill_runs_on_the_loaded_kv():
+    """The replay's model takes the loaded chunks as its past KV, in LMCache's
+    [2, layers, tokens, heads*dim] layout (a tiny model on the CPU)."""
+    import pytest
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from phx.bench._lmcache_replay import TOKENS_PER_CHUNK, Prefill
+    layers, n = 2, 3
+    p = Prefill((2, layers, TOKENS_PER_CHUNK, 1024), device="cpu", hidden=1024,
+                intermediate=512)
+    cb = 2 * layers * TOKENS_PER_CHUNK * 1024 * 2
+    kv = torch.empty(n * cb, dtype=torch.uint8)
+    kv.view(torch.bfloat16)[:] = torch.randn(n * cb // 2).to(torch.bfloat16)
+    torch.manual_seed(0)
+    out = p(kv, n, 37)
+    assert out.past_key_values.get_seq_length() == n * TOKENS_PER_CHUNK + 37
+    x = kv.view(torch.bfloat16).view(n, 2, layers, TOKENS_PER_CHUNK, 8, 128)
+    k1 = out.past_key_values.layers[1].keys[0, :, :n * TOKENS_PER_CHUNK]
+    assert torch.equal(k1, x[:, 0, 1].reshape(-1, 8, 128).transpose(0, 1))
+    kv2 = kv.clone()
+    kv2.view(torch.bfloat16)[:] = torch.randn(n * cb // 2).to(torch.bfloat16)
+    torch.manual_seed(0)
+    assert not torch.equal(out.logits, p(kv2, n, 37).logits)   # the prefix matters
+
+
+def test_report_and_plot_from_results(tmp_path, capsys):
+    """The summary, the table, the replay summary and the plot from rows of
+    the shape the GPU run produces (ratios are phx's load over each)."""
+    from phx.bench import lmcache as bench
+    from phx.bench._lmcache_replay import print_summary, simulate
+    rows = []
+    for rep in range(3):
+        for m, gbps in (("phx", 20.0 + rep), ("kvikio", 8.0), ("host-odirect", 4.0)):
+            rows.append({"device": "zram", "method": m, "repeat": rep, "store_gbps": 2.0,
+                         "load_gbps": gbps, "store_cpu_s_per_gb": 0.1,
+                         "load_cpu_s_per_gb": 0.2, "load_p50_ms": 3.0, "load_p99_ms": 5.0,
+                         "byte_exact": True, "cache_dropped": True})
+    summary = bench.summarise(rows)
+    by = {s["method"]: s for s in summary}
+    assert by["phx"]["load_gbps"] == 21.0 and by["phx"]["repeats"] == 3
+    assert abs(by["kvikio"]["phx_load_x"] - 21.0 / 8.0) < 1e-9
+    bench._print(summary)
+    svc = [[{"load_s": 0.2, "prefill_s": 0.1, "think_s": 3.0, "chunks": 4}] * 5]
+    ms = {"phx": {"load_s_mean": 0.2, "prefill_s_mean": 0.1, "alone_ttft_s": [0.3] * 5,
+                  "by_concurrency": {c: {"p90_s": sorted(simulate(svc, c, 1))[-1]}
+                                     for c in (1, 2, 4)},
+                  "sessions_within_limit": 4, "checked_requests": 1, "bad_requests": 0}}
+    rep = {"trace": {"sessions": 1, "requests": 5, "prefix_hit_rate": 0.9,
+                     "context_at_round_30_mean": None, "context_max": 1000},
+           "token_scale": 0.125, "ttft_limit_s": 5.0, "methods": ms}
+    print_summary("zram", rep)
+    out = capsys.readouterr().out
+    assert "phx" in out and "2.62" in out and "sessions <= 5.0 s" in out
+    bench._plot(summary, rep, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -66,7 +66,14 @@ def _mount(kind: str, where: str, image: str | None = None) -> bool:
 
 
 def _umount(where: str) -> None:
-    subprocess.run(["umount", where], capture_output=True)
+    """Unmount, retrying while a just-exited child may still hold it; lazily
+    as the last resort so that no mount outlives the test."""
+    import time
+    for _ in range(50):
+        if subprocess.run(["umount", where], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    subprocess.run(["umount", "-l", where], capture_output=True)
 
 
 def _run(fake, workdir: str, smallfs: str, mode: str) -> tuple[dict[str, str], str]:

@@ -104,18 +104,21 @@ class Prefill:
     """A random-weight Llama-3-8B-shaped model that prefills new tokens on
     top of KV loaded in LMCache's chunk layout."""
 
-    def __init__(self, shape) -> None:
+    def __init__(self, shape, device: str = "cuda", hidden: int = 4096,
+                 intermediate: int = 14336) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         _, layers, _, hd = shape
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                          num_attention_heads=32, num_key_value_heads=hd // 128, head_dim=128,
-                          vocab_size=128256, max_position_embeddings=262144,
-                          rope_theta=500000.0)
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
+                          num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                          num_key_value_heads=hd // 128, head_dim=128, vocab_size=128256,
+                          max_position_embeddings=262144,
+                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        self.device = device
         old = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            with torch.device("cuda"):
+            with torch.device(device):
                 self.model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
         finally:
             torch.set_default_dtype(old)
@@ -137,10 +140,12 @@ class Prefill:
                     v = x[:, 1, layer].reshape(-1, self.heads, 128).transpose(0, 1).unsqueeze(0)
                     data.append((k.contiguous(), v.contiguous()))
             cache = DynamicCache(ddp_cache_data=data) if data else DynamicCache()
-            ids = torch.randint(0, 128000, (1, new_tokens), device="cuda")
-            self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1)
-        torch.cuda.synchronize()
+            ids = torch.randint(0, 128000, (1, new_tokens), device=self.device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return out
 
 
 def _chunk_bytes(p: Prefill) -> int:
@@ -250,8 +255,13 @@ def run_replay(args, device: str, directory: str, notes: dict) -> dict[str, Any]
     prefill(None, 0, 16)               # warm-up (kernels, allocator)
     concs = [int(x) for x in args.concurrency.split(",") if x]
     for name in [x for x in args.replay_methods.split(",") if x]:
-        res = measure(name, os.path.join(directory, "lmcache-replay"), trace, shape,
-                      prefill, notes)
+        try:
+            res = measure(name, os.path.join(directory, "lmcache-replay"), trace, shape,
+                          prefill, notes)
+        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
+            notes[f"replay-{device}-{name}"] = f"{type(e).__name__}: {e}"
+            print(f"replay {device} {name} failed: {e}", file=sys.stderr)
+            continue
         if res is None:
             continue
         flat = [q for s in res["service"] for q in s]

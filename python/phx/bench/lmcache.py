@@ -156,7 +156,16 @@ def chunk_rows(args, device: str, directory: str, results: list, notes: dict) ->
             names_now = list(opened)
             random.shuffle(names_now)
             for name in names_now:
-                r = _row(opened[name], src, dst, n, args.latency_chunks, order)
+                try:
+                    r = _row(opened[name], src, dst, n, args.latency_chunks, order)
+                except Exception as e:  # noqa: BLE001 - one broken method must not end the run
+                    notes[f"{device}-{name}"] = f"{type(e).__name__}: {e}"
+                    print(f"lmcache bench: {device} {name} failed: {e}", file=sys.stderr)
+                    try:
+                        opened.pop(name).close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    continue
                 r.update(device=device, repeat=rep, chunk_bytes=src.chunk, chunks=n)
                 results.append(r)
                 print(f"{device:5} {r['method']:14} store {r['store_gbps']:6.2f} GB/s  "
