@@ -60,16 +60,27 @@ venv: deps $(VPY)
 	$(VPY) -m pip install -q "scikit-build-core>=0.10" "cython>=3.0" pytest numpy matplotlib tqdm
 	$(VPY) -m pip show torch >/dev/null 2>&1 || $(VPY) -m pip install -q "torch==2.13.0" \
 		|| echo "torch not installed: torch tests will skip"
+	@# transformers: the LMCache replay test builds a small random Llama on the CPU
+	$(VPY) -m pip install -q transformers || echo "transformers not installed: its tests will skip"
 
 build: venv
 	$(VPY) -m pip install -q --no-build-isolation -e .
+
+# The real lmcache 0.5.6 (and the small packages its GDS modules import), for
+# the LMCache adapter's tests, in a private folder the tests find by itself
+# (pip --no-deps --target: the venv's own packages stay as they are).
+LMCACHE_SITE := .lmcache-site
+$(LMCACHE_SITE): | venv
+	rm -rf $@.tmp
+	PYTHON=$(VPY) bash adapters/lmcache/tools/lmcache-deps.sh install $@.tmp
+	mv $@.tmp $@
 
 test-c: deps
 	cmake -S . -B build/c -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build build/c
 	cd build/c && ctest --output-on-failure
 
-test-py: build
+test-py: build $(LMCACHE_SITE)
 	$(VPY) -m pytest -ra tests
 
 test: test-c test-py test-guest

@@ -24,7 +24,7 @@ import support  # noqa: E402
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+    pytest.skip("no usable GPU: torch sees no CUDA device", allow_module_level=True)
 if support.lmcache_site() is None:
     pytest.skip(f"lmcache not installed: {support.INSTALL_HINT}", allow_module_level=True)
 if support.lmcache_site():
