@@ -23,6 +23,18 @@
 
 #include "internal.h"
 
+/* The transfer no longer counts as in flight (d->lock held): wake waiters. */
+static void op_unpin_locked(struct pf_op *o)
+{
+	struct pf_driver *d = o->d;
+
+	o->h->inflight--;
+	if (o->b)
+		o->b->inflight--;
+	d->st.inflight--;
+	pthread_cond_broadcast(&d->idle);
+}
+
 /* The end of a transfer, on the CUDA callback thread: never blocks. */
 void pf_op_finish(struct pf_op *o, int64_t res)
 {
@@ -40,11 +52,7 @@ void pf_op_finish(struct pf_op *o, int64_t res)
 		d->st.writes++;
 		d->st.bytes_written += (uint64_t)res;
 	}
-	o->h->inflight--;
-	if (o->b)
-		o->b->inflight--;
-	d->st.inflight--;
-	pthread_cond_broadcast(&d->idle);
+	op_unpin_locked(o);
 	pthread_mutex_unlock(&d->lock);
 	free(o);
 }
@@ -101,11 +109,7 @@ static void op_abort(struct pf_op *o)
 	struct pf_driver *d = o->d;
 
 	pthread_mutex_lock(&d->lock);
-	o->h->inflight--;
-	if (o->b)
-		o->b->inflight--;
-	d->st.inflight--;
-	pthread_cond_broadcast(&d->idle);
+	op_unpin_locked(o);
 	pthread_mutex_unlock(&d->lock);
 }
 
