@@ -16,7 +16,7 @@ from phx.kv import (CROSS, DIRECT, INTRA, PAGECACHE, AdaptivePipeline, CopyJob,
                     ExtentAllocator, KVStore, cgroup_memory, measure_budget,
                     parse_proc_cgroup, place_layers)
 from phx.kv import _sys
-from phx.kv.budget import UNLIMITED, Budget
+from phx.kv.budget import UNLIMITED, Budget, CgroupLevel, CgroupMemory
 
 MiB = 1 << 20
 ROOT = os.geteuid() == 0
@@ -298,17 +298,24 @@ def test_cgroup_files_v1_and_v2(tmp_path):
     cg = cgroup_memory(root=str(r1), proc_cgroup="5:memory:/p/c\n")
     assert cg.version == 1 and len(cg.levels) == 3
     assert cg.binding.limit == 1 << 30
-    assert cg.binding.headroom == (1 << 30) - 300 * MiB + 100 * MiB
+    # inactive file pages are not free: in an inference cgroup they are the
+    # process's own (libraries, modules), part of the memory the cap was sized for
+    assert cg.binding.headroom == (1 << 30) - 300 * MiB
+    assert cg.binding.inactive_file == 100 * MiB
     # v2
     r2 = tmp_path / "v2"
     _mk(r2, {"cgroup.controllers": "cpu memory", "memory.stat": ""})
     _mk(r2 / "a", {"memory.max": str(512 * MiB), "memory.current": str(100 * MiB),
-                   "memory.stat": f"anon 1\ninactive_file {10 * MiB}\n"})
+                   "memory.stat": f"anon 1\ninactive_file {10 * MiB}\n"
+                                  f"file_mapped {4 * MiB}\n"})
     cg2 = cgroup_memory(root=str(r2), proc_cgroup="0::/a\n")
     assert cg2.version == 2 and cg2.binding.limit == 512 * MiB
-    assert cg2.binding.headroom == 422 * MiB
+    assert cg2.binding.headroom == 412 * MiB and cg2.binding.mapped_file == 4 * MiB
     b = Budget(8 << 30, cg2, pinned=50 * MiB, reserve=12 * MiB)
-    assert b.bytes == 360 * MiB
+    assert b.bytes == 350 * MiB
+    # the caller's own resident page cache (Group 1) is added back, once
+    b_own = Budget(8 << 30, cg2, pinned=50 * MiB, reserve=12 * MiB, own=30 * MiB)
+    assert b_own.bytes == 380 * MiB
     assert "B_pc" in b.explain()
     _mk(r2 / "m", {"memory.max": "max", "memory.current": "5", "memory.stat": ""})
     cg3 = cgroup_memory(root=str(r2), proc_cgroup="0::/m\n")
@@ -336,7 +343,7 @@ def test_budget_in_a_real_cgroup():
     assert b["cgroup_limit"] == limit, b
     assert 0 < b["cgroup_usage"] < limit
     assert b["budget"] == b["headroom"] - 24 * MiB
-    assert b["headroom"] <= limit - b["cgroup_usage"] + b["cgroup_inactive_file"]
+    assert b["headroom"] <= limit - b["cgroup_usage"]
     assert b["budget"] < limit
 
 
@@ -400,7 +407,7 @@ def _own_memory_cgroup():
 
 def test_budget_here_sees_the_cgroup():
     """The budgeter finds this process's memory cgroup and, where a level sets a
-    limit, takes the tightest (limit - usage + inactive_file) as the headroom."""
+    limit, takes the tightest (limit - usage) as the headroom."""
     found = _own_memory_cgroup()
     if found is None:
         pytest.skip("no memory cgroup controller is mounted here: nothing to find")
@@ -423,7 +430,7 @@ def test_budget_here_sees_the_cgroup():
         except OSError:
             continue                     # the root of v2 has no memory.max
         if lim != "max" and int(lim) < UNLIMITED:
-            headrooms.append(int(lim) - use + int(stat.get(names[2], 0)))
+            headrooms.append(int(lim) - use)
     if not headrooms:
         assert b.cgroup.binding is None and b.cgroup_headroom is None
         assert b.headroom == b.mem_available
@@ -612,3 +619,212 @@ def test_bench_kv_cli_in_cgroups(tmp_path):
         assert "ratio_decode_vs_baseline" in pc and "ratio_prefill_vs_baseline" in pc
     assert all(r["runs"] == 1 for r in doc["rows"])
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("strategy", [INTRA, CROSS])
+@pytest.mark.parametrize("where", ["read", "dma"])
+def test_pipeline_failure_releases_the_other_threads(strategy, where):
+    """A failing storage read or DMA of one job ends the whole batch with that
+    error (no deadlock: under Overlap-Cross the other thread waits for a read
+    turn the failed thread owns)."""
+    def read(relay):
+        return 8
+
+    def bad_read(relay):
+        raise OSError(5, "read boom")
+
+    def bad_dma(relay, nb):
+        raise OSError(5, "dma boom")
+    jobs = [CopyJob(bad_read if where == "read" else read,
+                    (lambda r, n: None) if where == "read" else bad_dma)]
+    jobs += [CopyJob(read, lambda r, n: None) for _ in range(5)]
+    out = {}
+
+    def go():
+        with AdaptivePipeline(4096, threads=2, strategy=strategy) as pipe:
+            pipe.begin_step()
+            try:
+                pipe.run(jobs)
+            except BaseException as e:
+                out["err"] = e
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"{strategy}: a failed {where} left the pipeline waiting forever"
+    assert isinstance(out.get("err"), OSError) and f"{where} boom" in str(out["err"]), out
+
+
+def test_repeated_plan_counts_group1_once(tmp_path):
+    """plan() again after Group 1 was written: its resident pages are in the
+    cgroup's usage, and they must not also come off the budget a second time.
+    The same layers end up on the page-cache path as with one plan() for all."""
+    _need_cachestat()
+    shape = (64, 4, 128)                                   # 64 KiB per tensor
+    base = 20 * MiB
+
+    class Store(KVStore):
+        def measure_budget(self):
+            own = self.resident_group1_bytes()
+            # a cgroup whose usage is base + this store's resident Group 1 pages
+            cg = CgroupMemory(1, "/fake", [CgroupLevel("/fake", limit, base + own, 0)])
+            return Budget(1 << 40, cg, 0, 0, None, own)
+
+    def levels(st):
+        return sorted({t.layer for t in st.tensors() if t.group == PAGECACHE})
+
+    limit = base + 20 * 128 * 1024        # room for 20 of the 24 (K, V) pairs of 128 KiB
+    one = Store(str(tmp_path / "one"))
+    for L in range(24):
+        one.allocate(L, shape, np.float16)
+    one.plan()
+    want = levels(one)
+    assert len(want) == 20, want
+    two = Store(str(tmp_path / "two"))
+    first = [two.allocate(L, shape, np.float16) for L in range(12)]
+    two.plan()
+    for k, v in first:
+        for t in (k, v):
+            two.write(t, 0, np.ones(shape, np.float16))
+    assert two.resident_group1_bytes() == 24 * 64 * 1024
+    for L in range(12, 24):
+        two.allocate(L, shape, np.float16)
+    two.plan()
+    assert levels(two) == want, str(two.last_plan)
+    one.destroy()
+    two.destroy()
+
+
+def test_dual_stays_under_the_cap_in_a_real_cgroup(tmp_path):
+    """The bench's dual run under a real memory cgroup of fixed + 0.5 x the working
+    set: Group 1 holds at most 0.5 x the working set (the worker's own file pages
+    and its untouched stand-in GPU buffers are not free memory)."""
+    if not ROOT:
+        pytest.skip("memory cgroups need root")
+    from phx.bench._kv_cgroup import can_create
+    ok, why = can_create()
+    if not ok:
+        pytest.skip(why)
+    from phx.bench import kv as bench
+    from phx.bench._kv_worker import Shape
+    conf = {**TINY, "layers": 12, "hidden": 2048, "heads": 16, "prompt": 200, "gen": 4,
+            "reserve": 0}
+    shape = Shape(conf)
+    from phx.bench import _common
+    # as the bench does: a cold cache, so the worker's own file pages (libraries,
+    # modules) are charged to its cgroup
+    _common.drop_caches()
+    probe = bench._run_in_cgroup({**conf, "config": "probe", "dir": str(tmp_path / "p")},
+                                 None, 120)
+    assert "error" not in probe, probe
+    cap = int(probe["usage"]) + shape.working_set // 2
+    _common.drop_caches()
+    res = bench._run_in_cgroup({**conf, "config": "dual", "dir": str(tmp_path / "d")},
+                               cap, 120)
+    assert res.get("verified") is True, res
+    g1 = res["plan"]["pagecache_bytes"]
+    assert 0 < g1 <= shape.working_set // 2, (g1, shape.working_set, res["budget"])
+
+
+def test_bench_cgroup_caps_swap_too():
+    """The bench's memory cgroup limits memory + swap, not memory alone (v1:
+    memory.memsw.limit_in_bytes = the limit; v2: memory.swap.max = 0), also when
+    the limit is lowered and raised again."""
+    if not ROOT:
+        pytest.skip("memory cgroups need root")
+    from phx.bench._kv_cgroup import MemCgroup, can_create
+    ok, why = can_create()
+    if not ok:
+        pytest.skip(why)
+    with MemCgroup(f"phx-test-swap-{os.getpid()}", 256 * MiB) as cg:
+        for limit in (256 * MiB, 64 * MiB, 512 * MiB):
+            cg.set_limit(limit)
+            if cg.version == 1:
+                memsw = os.path.join(cg.path, "memory.memsw.limit_in_bytes")
+                if not os.path.exists(memsw):
+                    pytest.skip("this kernel keeps no swap accounting (swapaccount=0)")
+                assert int(open(memsw).read()) == limit
+                assert int(open(os.path.join(cg.path, "memory.limit_in_bytes")).read()) == limit
+            else:
+                assert open(os.path.join(cg.path, "memory.swap.max")).read().strip() == "0"
+                assert int(open(os.path.join(cg.path, "memory.max")).read()) == limit
+            assert cg.swap_limited
+
+
+# -- the NVMe backend, against a namespace double -------------------------------------
+class _FakeNamespace:
+    """phx.nvme.Namespace's surface over a bytearray: LBAs of 512 B; ``short``
+    makes the n-th I/O call (counted from 1) move one block less."""
+
+    def __init__(self, nblocks=4096, lba=512):
+        self.path, self.lba_size, self.start, self.end = "/dev/fake-ng", lba, 0, nblocks * lba
+        self.info = {"nr_queues": 2}
+        self.data = bytearray(os.urandom(self.end))
+        self.closed = False
+        self.calls = 0
+        self.short = None
+        self.deallocated: list[tuple[int, int]] = []
+
+    def _n(self, n):
+        self.calls += 1
+        return n - self.lba_size if self.calls == self.short else n
+
+    def read(self, buf, off):
+        mv = memoryview(buf).cast("B")
+        n = self._n(mv.nbytes)
+        mv[:n] = self.data[off:off + n]
+        return n
+
+    def write(self, buf, off):
+        mv = memoryview(buf).cast("B")
+        n = self._n(mv.nbytes)
+        self.data[off:off + n] = mv[:n]
+        return n
+
+    def deallocate(self, off, length):
+        self.deallocated.append((off, length))
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("which", [1, 2, 3])
+def test_nvme_backend_short_partial_block_raises(op, which):
+    """A short count on ANY command of an unaligned transfer (the aligned middle,
+    the head block's read, the tail block's read or write-back) is an error, not
+    stale bytes handed on or written back."""
+    from phx.kv.nvme_backend import NvmeBackend
+    ns = _FakeNamespace()
+    be = NvmeBackend(namespace=ns)
+    buf = bytearray(os.urandom(3000))
+    off = 700                               # head 324 B, middle 2048 B, tail 628 B
+    calls = {"read": 3, "write": 5}[op]     # write: middle + (read, write) x 2
+    ns.short = which if which <= calls else None
+    with pytest.raises(OSError, match="short"):
+        getattr(be, op)(buf, off)
+    ns.short, ns.calls = calls, 0           # the last command of the transfer
+    with pytest.raises(OSError, match="short"):
+        getattr(be, op)(buf, off)
+    ns.short, ns.calls = None, 0
+    be.write(buf, off)                      # and without faults it round-trips
+    back = bytearray(3000)
+    be.read(back, off)
+    assert back == buf
+
+
+def test_nvme_backend_trims_each_lba_once(tmp_path):
+    """free() deallocates a tensor's LBAs; destroy() deallocates only what is still
+    bound: no LBA range is TRIMmed twice."""
+    from phx.kv.nvme_backend import NvmeBackend
+    ns = _FakeNamespace(nblocks=8192)
+    st = KVStore(str(tmp_path / "nv"), mode="direct", direct_backend=NvmeBackend(namespace=ns))
+    kv = [st.allocate(L, (8, 2, 64), np.float16) for L in range(4)]   # 2 KiB each
+    for k, v in kv:
+        st.write(k, 0, np.ones((8, 2, 64), np.float16))
+    st.free(kv[1][0])
+    st.destroy()
+    covered = np.zeros(ns.end, dtype=np.int32)
+    for off, ln in ns.deallocated:
+        covered[off:off + ln] += 1
+    assert covered.max() == 1, ns.deallocated
+    assert covered[:8 * 2048].all(), ns.deallocated      # every tensor's LBAs, once

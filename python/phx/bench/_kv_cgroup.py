@@ -6,15 +6,28 @@ import subprocess
 import time
 
 V1_ROOT = "/sys/fs/cgroup/memory"
-V2_ROOT = "/sys/fs/cgroup"
+#: where a cgroup v2 hierarchy may be mounted (unified, or hybrid's "unified")
+V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+V2_ROOT = V2_ROOTS[0]
+
+
+def _v2_root() -> str | None:
+    """The v2 mount whose controllers include memory (v2 is preferred: it caps swap
+    with memory.swap.max and reports memory.peak), else None."""
+    for root in V2_ROOTS:
+        try:
+            with open(os.path.join(root, "cgroup.controllers")) as f:
+                if "memory" in f.read().split():
+                    return root
+        except OSError:
+            continue
+    return None
 
 
 def cgroup_version() -> int | None:
     """1 or 2 for the memory controller mounted here, None without one."""
-    if os.path.exists(os.path.join(V2_ROOT, "cgroup.controllers")):
-        with open(os.path.join(V2_ROOT, "cgroup.controllers")) as f:
-            if "memory" in f.read().split():
-                return 2
+    if _v2_root() is not None:
+        return 2
     if os.path.exists(os.path.join(V1_ROOT, "memory.limit_in_bytes")):
         return 1
     return None
@@ -45,16 +58,18 @@ class MemCgroup:
         if self.version == 1:
             self.path = os.path.join(V1_ROOT, name)
         else:
-            self._enable_v2()
-            self.path = os.path.join(V2_ROOT, name)
+            root = _v2_root()
+            self._enable_v2(root)
+            self.path = os.path.join(root, name)
         os.makedirs(self.path, exist_ok=True)
         self.limit = limit
+        self.swap_limited = False
         if limit is not None:
             self.set_limit(limit)
 
     @staticmethod
-    def _enable_v2() -> None:
-        ctl = os.path.join(V2_ROOT, "cgroup.subtree_control")
+    def _enable_v2(root: str) -> None:
+        ctl = os.path.join(root, "cgroup.subtree_control")
         with open(ctl) as f:
             if "memory" in f.read().split():
                 return
@@ -73,15 +88,37 @@ class MemCgroup:
             return None
 
     def set_limit(self, limit: int) -> None:
+        """Cap memory at ``limit`` bytes, swap included.
+
+        Without the swap part a capped process's anonymous memory goes to swap and
+        its page cache keeps the room: v1 caps memory + swap with
+        ``memory.memsw.limit_in_bytes`` (= the memory limit: no swap), v2 sets
+        ``memory.swap.max`` to 0.  :attr:`swap_limited` says whether it could
+        (False where the kernel keeps no swap accounting).
+        """
         self.limit = limit
         if self.version == 1:
-            self._w("memory.limit_in_bytes", str(limit))
+            memsw = os.path.join(self.path, "memory.memsw.limit_in_bytes")
+            if not os.path.exists(memsw):
+                self._w("memory.limit_in_bytes", str(limit))
+                self.swap_limited = False
+                return
+            # memsw >= the memory limit at every moment: raise memsw first, lower it last
+            cur = int(self._r("memory.memsw.limit_in_bytes") or 0)
+            if limit > cur:
+                self._w("memory.memsw.limit_in_bytes", str(limit))
+                self._w("memory.limit_in_bytes", str(limit))
+            else:
+                self._w("memory.limit_in_bytes", str(limit))
+                self._w("memory.memsw.limit_in_bytes", str(limit))
+            self.swap_limited = True
         else:
             self._w("memory.max", str(limit))
             try:
                 self._w("memory.swap.max", "0")
+                self.swap_limited = True
             except OSError:
-                pass
+                self.swap_limited = False
 
     def add(self, pid: int) -> None:
         self._w("cgroup.procs", str(pid))

@@ -217,6 +217,10 @@ def run_worker(c: dict) -> dict:
     for a in (*srcs, step_rows):
         _fill(rng, a)
     dev = [_sys.aligned_empty(s.tensor_bytes) for _ in range(2)]   # "GPU" K and V buffers
+    for x in dev:
+        # touched now, before the budget is measured: untouched pages are not yet
+        # charged to the cgroup, and the budget would hand them to Group 1
+        x[:] = 0
     pinned = threads * s.tensor_bytes
     base_usage = cgroup_value("memory.usage_in_bytes")
     limit = cgroup_value("memory.limit_in_bytes")

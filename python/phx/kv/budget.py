@@ -1,13 +1,19 @@
 """The page-cache budget B_pc: how much KV may live in the page cache without thrashing.
 
     headroom = min(MemAvailable, min over the cgroup and its ancestors of
-                                 (limit - usage + inactive_file))
+                                 (limit - (usage - own)))
     B_pc     = max(0, headroom - pinned - reserve)
 
+``own`` is the caller's own page cache already charged there (the Group 1 pages a
+store holds: B_pc is the total Group 1 may hold, what it holds included);
 ``pinned`` is memory phx will still pin for its copy buffers (the paper's
 N_threads * M_pin); ``reserve`` keeps slack for everything else (default: 8 MiB +
-2% of the headroom).  ``inactive_file`` counts as free because the kernel reclaims
-it first.  cgroup v1 (``memory.limit_in_bytes`` / ``memory.usage_in_bytes``) and
+2% of the headroom).  The cgroup's ``inactive_file`` does NOT count as free: in a
+cgroup made for an inference process it is that process's own file pages
+(libraries, modules, data it read), already part of the memory the cap was sized
+for; counting it let Group 1 take ~3 layers more than the cap held (measured:
+9 of 32 layers at 0.2 x the working set, where 6 fit).  It is reported
+(``explain()``).  cgroup v1 (``memory.limit_in_bytes`` / ``memory.usage_in_bytes``) and
 v2 (``memory.max`` / ``memory.current``) are both read; the figures are taken
 fresh on every call.
 """
@@ -82,10 +88,12 @@ class CgroupLevel:
     limit: int
     usage: int
     inactive_file: int
+    mapped_file: int = 0
 
     @property
     def headroom(self) -> int:
-        return self.limit - self.usage + self.inactive_file
+        """Bytes that may still be charged here before the limit."""
+        return self.limit - self.usage
 
 
 @dataclass
@@ -106,16 +114,16 @@ def _level(version: int, d: str) -> CgroupLevel | None:
     if version == 1:
         limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
         usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
-        key = "total_inactive_file"
+        key, mkey = "total_inactive_file", "total_mapped_file"
     else:
         limit = _read_int(os.path.join(d, "memory.max"))
         usage = _read_int(os.path.join(d, "memory.current"))
-        key = "inactive_file"
+        key, mkey = "inactive_file", "file_mapped"
     if limit is None or usage is None:
         return None
     st = parse_memory_stat(_read(os.path.join(d, "memory.stat")) or "")
     inactive = st.get(key, st.get("inactive_file", 0))
-    return CgroupLevel(d, limit, usage, inactive)
+    return CgroupLevel(d, limit, usage, inactive, st.get(mkey, st.get("mapped_file", 0)))
 
 
 def cgroup_memory(pid: int | str = "self", root: str = "/sys/fs/cgroup",
@@ -163,11 +171,12 @@ class Budget:
     pinned: int
     reserve: int
     override: int | None = None
+    own: int = 0
 
     @property
     def cgroup_headroom(self) -> int | None:
         b = self.cgroup.binding if self.cgroup else None
-        return b.headroom if b else None
+        return b.headroom + min(self.own, b.usage) if b else None
 
     @property
     def headroom(self) -> int:
@@ -190,9 +199,11 @@ class Budget:
             lines.append(f"cgroup v{self.cgroup.version}               {self.cgroup.path}: no limit")
         else:
             lines.append(f"cgroup v{self.cgroup.version} limit         {b.limit / MiB:12.1f} MiB  ({b.path})")
-            lines.append(f"  - usage               {b.usage / MiB:12.1f} MiB")
-            lines.append(f"  + inactive file       {b.inactive_file / MiB:12.1f} MiB")
-            lines.append(f"  = headroom            {b.headroom / MiB:12.1f} MiB")
+            lines.append(f"  - usage               {b.usage / MiB:12.1f} MiB  "
+                         f"(inactive file {b.inactive_file / MiB:.1f} MiB, "
+                         f"mapped {b.mapped_file / MiB:.1f} MiB: not counted as free)")
+            lines.append(f"  + own Group 1 pages   {min(self.own, b.usage) / MiB:12.1f} MiB")
+            lines.append(f"  = headroom            {self.cgroup_headroom / MiB:12.1f} MiB")
         lines.append(f"headroom (the smaller)  {self.headroom / MiB:12.1f} MiB")
         lines.append(f"- pinned copy buffers   {self.pinned / MiB:12.1f} MiB")
         lines.append(f"- reserve               {self.reserve / MiB:12.1f} MiB")
@@ -211,6 +222,8 @@ class Budget:
             "cgroup_limit": b.limit if b else None,
             "cgroup_usage": b.usage if b else None,
             "cgroup_inactive_file": b.inactive_file if b else None,
+            "cgroup_mapped_file": b.mapped_file if b else None,
+            "own_pagecache": self.own,
             "headroom": self.headroom,
             "pinned": self.pinned,
             "reserve": self.reserve,
@@ -225,9 +238,14 @@ def default_reserve(headroom: int) -> int:
 
 def measure_budget(pinned_bytes: int = 0, reserve: int | None = None,
                    override: int | None = None, root: str = "/sys/fs/cgroup",
-                   meminfo: str = "/proc/meminfo", pid: int | str = "self") -> Budget:
-    """Measure B_pc now (MemAvailable, the cgroup's limit and usage, pinned, reserve)."""
+                   meminfo: str = "/proc/meminfo", pid: int | str = "self",
+                   own_bytes: int = 0) -> Budget:
+    """Measure B_pc now (MemAvailable, the cgroup's limit and usage, pinned, reserve).
+
+    ``own_bytes``: the caller's page cache already charged to the cgroup (a store's
+    resident Group 1), added back so that B_pc is the total Group 1 may hold.
+    """
     cg = cgroup_memory(pid, root)
-    b = Budget(mem_available(meminfo), cg, int(pinned_bytes), 0, override)
+    b = Budget(mem_available(meminfo), cg, int(pinned_bytes), 0, override, int(own_bytes))
     b.reserve = default_reserve(b.headroom) if reserve is None else int(reserve)
     return b

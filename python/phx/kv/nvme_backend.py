@@ -6,7 +6,7 @@ placed back to back from a first LBA the user picks (the paper's
 ``start(n+1) = start(n) + blocks(n)``); reads and writes are NVMe commands
 through io_uring passthrough, split at MDTS and kept in flight up to the queue
 depth; ``discard`` is a Dataset Management deallocate (TRIM); closing
-deallocates the whole range ever used.
+deallocates what is still bound (each LBA is deallocated once).
 
 Use it explicitly::
 
@@ -70,23 +70,23 @@ class NvmeBackend:
         self.alignment = namespace.lba_size
         self.alloc = ExtentAllocator(self.alignment, namespace.end - namespace.start,
                                      base=namespace.start)
-        self._high = namespace.start
         self._rmw = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     # -- DirectBackend ------------------------------------------------------
     def bind(self, sizes: Sequence[int]) -> list[Extent]:
-        exts = self.alloc.allocate_run(sizes)
-        if exts:
-            self._high = max(self._high, exts[-1].end)
-        return exts
+        return self.alloc.allocate_run(sizes)
 
     def materialize(self, ext: Extent) -> None:
         """LBAs need no allocation."""
 
     def fileno(self) -> int:
         return -1
+
+    def cached_pages(self, offset: int, length: int) -> tuple[int, int]:
+        """LBAs have no page cache: (0, pages)."""
+        return 0, (length + 4095) // 4096
 
     def _pieces(self, n: int, offset: int):
         """(head, middle, tail) byte ranges relative to the buffer."""
@@ -109,9 +109,7 @@ class NvmeBackend:
             self._check(self.ns.read(mv[m0:m1], offset + m0), m1 - m0, offset + m0)
         for s, e in ((h0, h1), (t0, t1)):
             if e > s:
-                lo = (offset + s) // a * a
-                blk = _aligned(a * (-(-(offset + e - lo) // a)))
-                self.ns.read(blk, lo)
+                lo, blk = self._block_read(offset + s, offset + e)
                 mv[s:e] = blk[offset + s - lo:offset + e - lo]
 
     def write(self, buf, offset: int) -> None:
@@ -129,11 +127,21 @@ class NvmeBackend:
         with self._rmw:
             for s, e in ((h0, h1), (t0, t1)):
                 if e > s:
-                    lo = (offset + s) // a * a
-                    blk = _aligned(a * (-(-(offset + e - lo) // a)))
-                    self.ns.read(blk, lo)
+                    lo, blk = self._block_read(offset + s, offset + e)
                     blk[offset + s - lo:offset + e - lo] = np.frombuffer(mv[s:e], np.uint8)
-                    self.ns.write(blk, lo)
+                    self._check(self.ns.write(blk, lo), blk.nbytes, lo)
+
+    def _block_read(self, start: int, end: int) -> tuple[int, np.ndarray]:
+        """The whole blocks around bytes ``[start, end)``: (their first byte, them).
+
+        A short read here would hand stale bytes to the caller (read) or write
+        them back over the neighbours' (read-modify-write): it raises.
+        """
+        a = self.alignment
+        lo = start // a * a
+        blk = _aligned(a * (-(-(end - lo) // a)))
+        self._check(self.ns.read(blk, lo), blk.nbytes, lo)
+        return lo, blk
 
     def _check(self, got: int, want: int, offset: int) -> None:
         if got != want:
@@ -173,17 +181,25 @@ class NvmeBackend:
         self.alloc.free(ext)
 
     def close(self, unlink: bool = True) -> None:
-        """Deallocate every LBA ever bound, then close the namespace (if ours).
+        """Deallocate the LBAs still bound, then close the namespace (if ours).
 
-        ``unlink`` has no meaning for a namespace and is ignored.
+        Extents released by :meth:`discard` were deallocated then and are not
+        deallocated again; the live ones go in as few commands as they have
+        contiguous runs.  ``unlink`` has no meaning for a namespace and is ignored.
         """
         if self.ns is None or self.ns.closed:
             return
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._high > self.ns.start:
-            self.ns.deallocate(self.ns.start, self._high - self.ns.start)
+        runs: list[list[int]] = []
+        for e in self.alloc.live():
+            if runs and runs[-1][1] == e.start:
+                runs[-1][1] = e.end
+            else:
+                runs.append([e.start, e.end])
+        for lo, hi in runs:
+            self.ns.deallocate(lo, hi - lo)
         for e in self.alloc.live():
             self.alloc.free(e)
         if self._own:

@@ -116,7 +116,10 @@ class AdaptivePipeline:
             try:
                 total += f.result()
             except BaseException as e:      # keep waiting for the others
-                err = err or e
+                # the first real failure wins over the peers it released
+                if err is None or (isinstance(err, _PeerFailed)
+                                   and not isinstance(e, _PeerFailed)):
+                    err = e
         if err is not None:
             raise err
         self._busy += time.perf_counter() - t0
@@ -124,6 +127,17 @@ class AdaptivePipeline:
         return total
 
     def _worker(self, tidx: int, idxs: list[int], jobs: Sequence[CopyJob], st: "_RunState") -> int:
+        try:
+            return self._jobs(tidx, idxs, jobs, st)
+        except BaseException:
+            # any failure (storage read or DMA) releases the other threads: under
+            # Overlap-Cross they may be waiting for a read turn this thread owns
+            with st.cond:
+                st.failed = True
+                st.cond.notify_all()
+            raise
+
+    def _jobs(self, tidx: int, idxs: list[int], jobs: Sequence[CopyJob], st: "_RunState") -> int:
         relay = self.relays[tidx]
         total = 0
         for k in idxs:
@@ -132,16 +146,10 @@ class AdaptivePipeline:
                     while st.next_read != k and not st.failed:
                         st.cond.wait()
                     if st.failed:
-                        raise RuntimeError("another copy job of this batch failed")
-                try:
-                    if self.delay_hook:
-                        self.delay_hook(st.strategy, tidx, k)
-                    nb = jobs[k].read(relay)
-                except BaseException:
-                    with st.cond:
-                        st.failed = True
-                        st.cond.notify_all()
-                    raise
+                        raise _PeerFailed("another copy job of this batch failed")
+                if self.delay_hook:
+                    self.delay_hook(st.strategy, tidx, k)
+                nb = jobs[k].read(relay)
                 with st.cond:
                     st.next_read = k + 1
                     st.cond.notify_all()
@@ -166,6 +174,10 @@ class AdaptivePipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PeerFailed(RuntimeError):
+    """A copy thread gave up because another thread of its batch failed."""
 
 
 class _RunState:

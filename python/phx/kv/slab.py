@@ -174,6 +174,9 @@ class DirectBackend(Protocol):
     def fileno(self) -> int:
         """A file descriptor for ``cachestat`` (-1 if none)."""
 
+    def cached_pages(self, offset: int, length: int) -> tuple[int, int]:
+        """(pages of ``[offset, offset+length)`` in the page cache, pages)."""
+
     def close(self, unlink: bool = True) -> None:
         """Release everything; remove the backing file when ``unlink``."""
 
@@ -189,6 +192,9 @@ class _FileBackendBase:
 
     def bind(self, sizes: Sequence[int]) -> list[Extent]:
         return self.alloc.allocate_run(sizes)
+
+    def cached_pages(self, offset: int, length: int) -> tuple[int, int]:
+        return _sys.cached_pages(self.fileno(), offset, length)
 
     def discard(self, ext: Extent) -> None:
         if ext.start in self._materialized:

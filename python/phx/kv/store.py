@@ -216,7 +216,23 @@ class KVStore:
 
     # -- planning -----------------------------------------------------------
     def measure_budget(self) -> Budget:
-        return measure_budget(self.pinned_bytes, self.reserve, self.budget_override)
+        """B_pc now: what Group 1 may hold in total (its resident pages included)."""
+        return measure_budget(self.pinned_bytes, self.reserve, self.budget_override,
+                              own_bytes=self.resident_group1_bytes())
+
+    def resident_group1_bytes(self) -> int:
+        """Bytes of this store's Group 1 in the page cache now (``cachestat``; where
+        it is missing, every materialized Group 1 extent counts as resident)."""
+        total = 0
+        for t in list(self._tensors.values()):
+            if t.group != PAGECACHE or not t.materialized or t.extent is None:
+                continue
+            if _sys.cachestat_available():
+                hit, _ = self._pc.cached_pages(t.extent.start, t.extent.length)
+                total += hit * _sys.PAGE
+            else:
+                total += t.extent.length
+        return total
 
     def plan(self) -> Plan:
         """Bind every unbound tensor (Algorithm 1) and explain the whole placement."""
@@ -231,6 +247,8 @@ class KVStore:
             elif self.mode == "pagecache":
                 knob = 1 << 62
             else:
+                # B_pc counts Group 1's resident pages as its own (measure_budget),
+                # so what is already bound comes off once
                 knob = max(0, budget.bytes - bound_g1)
             placement = None
             if unbound:
@@ -355,9 +373,11 @@ class KVStore:
         stop = t.rows if stop is None else stop
         if t.extent is None or not t.materialized:
             return 0, 0
-        be = self.backend_of(t)
-        fd = be.fileno()
         off, ln = self._range(t, start, stop)
+        be = self.backend_of(t)
+        if hasattr(be, "cached_pages"):
+            return be.cached_pages(off, ln)
+        fd = be.fileno()       # a DirectBackend written before cached_pages existed
         if fd < 0:
             return 0, (ln + _sys.PAGE - 1) // _sys.PAGE
         return _sys.cached_pages(fd, off, ln)
