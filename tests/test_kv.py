@@ -597,7 +597,8 @@ def test_bench_worker_catches_misplaced_data(tmp_path, monkeypatch, config, faul
         assert res["verify"]["mismatched"], res["verify"]
 
 
-def test_bench_kv_cli_in_cgroups(tmp_path):
+@pytest.mark.parametrize("model", ["opt-6.7b", "llama-3-8b"])
+def test_bench_kv_cli_in_cgroups(tmp_path, model):
     if not ROOT:
         pytest.skip("memory cgroups and drop_caches need root")
     from phx.bench._kv_cgroup import can_create
@@ -606,8 +607,9 @@ def test_bench_kv_cli_in_cgroups(tmp_path):
         pytest.skip(why)
     js = tmp_path / "kv.json"
     png = tmp_path / "kv.png"
-    cmd = [sys.executable, "-m", "phx", "bench", "kv", "--layers", "3", "--hidden", "512",
-           "--heads", "4", "--prompt", "24", "--gen", "6", "--caps", "0.5,1.5",
+    cmd = [sys.executable, "-m", "phx", "bench", "kv", "--model", model,
+           "--layers", "3", "--hidden", "512", "--heads", "8", "--prompt", "24",
+           *(["--kv-heads", "2"] if model == "llama-3-8b" else []), "--gen", "6", "--caps", "0.5,1.5",
            "--repeat", "1", "--no-progress", "--dir", str(tmp_path / "d"),
            "--json", str(js), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
@@ -619,6 +621,9 @@ def test_bench_kv_cli_in_cgroups(tmp_path):
         assert "ratio_decode_vs_baseline" in pc and "ratio_prefill_vs_baseline" in pc
     assert all(r["runs"] == 1 for r in doc["rows"])
     assert png.stat().st_size > 1000
+    w = doc["workload"]
+    assert w["model"] == model and w["kv_heads"] == (8 if model == "opt-6.7b" else 2)
+    assert w["dtype"] == ("float16" if model == "opt-6.7b" else "bfloat16")
 
 
 @pytest.mark.parametrize("strategy", [INTRA, CROSS])
@@ -828,3 +833,38 @@ def test_nvme_backend_trims_each_lba_once(tmp_path):
         covered[off:off + ln] += 1
     assert covered.max() == 1, ns.deallocated
     assert covered[:8 * 2048].all(), ns.deallocated      # every tensor's LBAs, once
+
+
+# -- the Llama-3-8B (GQA) shape -------------------------------------------------------
+def test_bench_model_shapes():
+    """--model picks the KV shape: OPT-6.7B 32 x (rows, B*32, 128) fp16; Llama-3-8B
+    GQA 32 x (rows, B*8, 128) bf16 (a quarter of OPT's bytes); flags override."""
+    import argparse
+    from phx.bench import kv as bench
+    from phx.bench._kv_worker import Shape
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    opt = Shape({**bench.model_shape(p.parse_args([])), "batch": 2, "prompt": 512, "gen": 32})
+    assert opt.tshape == (543, 64, 128) and opt.row_bytes == 2 * 32 * 128 * 2
+    assert opt.working_set == 64 * 543 * 2 * 8192
+    ll = Shape({**bench.model_shape(p.parse_args(["--model", "llama-3-8b"])),
+                "batch": 2, "prompt": 512, "gen": 32})
+    assert ll.tshape == (543, 16, 128) and ll.dtype_name == "bfloat16"
+    assert ll.dtype.itemsize == 2 and ll.working_set * 4 == opt.working_set
+    small = bench.model_shape(p.parse_args(["--model", "llama-3-8b", "--layers", "3",
+                                            "--heads", "8", "--hidden", "512"]))
+    assert (small["layers"], small["heads"], small["kv_heads"]) == (3, 8, 8)
+    assert bench.model_shape(p.parse_args(["--heads", "4", "--hidden", "512"]))["kv_heads"] == 4
+    with pytest.raises(SystemExit):
+        bench.model_shape(p.parse_args(["--model", "llama-3-8b", "--heads", "12"]))
+
+
+@pytest.mark.parametrize("config", ["baseline", "dual"])
+def test_bench_worker_replay_gqa_bf16(tmp_path, config):
+    """A scaled-down Llama-3 GQA shape in bf16 replays and verifies."""
+    from phx.bench._kv_worker import run_worker
+    conf = {**TINY, "heads": 8, "kv_heads": 2, "dtype": "bfloat16"}
+    res = run_worker({**conf, "config": config, "dir": str(tmp_path / config)})
+    assert res["verified"] is True, res["verify"]
+    row = 2 * 64 * 2                               # kv_heads x head_dim x 2 bytes
+    assert res["decode_logical_read_bytes"] == sum(6 * (24 + i) * row for i in range(5))

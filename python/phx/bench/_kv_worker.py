@@ -51,18 +51,30 @@ from phx.kv.slab import round_up
 CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
 
 
+#: numpy has no bfloat16: its bytes are stored as 2-byte integers (the replay only
+#: moves bytes; every tensor still gets its own random ones)
+STORAGE_DTYPES = {"bfloat16": "<u2"}
+
+
 class Shape:
+    """FlexLLMGen's KV layout: per layer a K and a V of
+    ``(prompt + gen - 1, batch * kv_heads, head_dim)``; ``kv_heads`` < ``heads`` is
+    grouped-query attention (Llama-3-8B: 32 query heads, 8 KV heads of 128)."""
+
     def __init__(self, c: dict):
         self.layers = c["layers"]
         self.batch = c["batch"]
         self.hidden = c["hidden"]
         self.heads = c["heads"]
+        self.kv_heads = c.get("kv_heads") or self.heads
+        self.head_dim = self.hidden // self.heads
         self.prompt = c["prompt"]
         self.gen = c["gen"]
-        self.dtype = np.dtype(c.get("dtype", "float16"))
+        self.dtype_name = c.get("dtype", "float16")
+        self.dtype = np.dtype(STORAGE_DTYPES.get(self.dtype_name, self.dtype_name))
         self.rows = self.prompt + self.gen - 1
-        self.tshape = (self.rows, self.batch * self.heads, self.hidden // self.heads)
-        self.row_bytes = self.batch * self.hidden * self.dtype.itemsize
+        self.tshape = (self.rows, self.batch * self.kv_heads, self.head_dim)
+        self.row_bytes = self.batch * self.kv_heads * self.head_dim * self.dtype.itemsize
         self.tensor_bytes = self.rows * self.row_bytes
         self.ntensors = 2 * self.layers
 

@@ -32,16 +32,32 @@ LABELS = {"baseline": "Baseline (FlexLLMGen memmap)", "cachepolicy": "CachePolic
           "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P"}
 
 
+#: KV shapes of the models the bench knows (``--model``); single flags override them
+MODELS = {
+    # OPT-6.7B (the paper's model): 32 layers, 32 heads of 128, fp16
+    "opt-6.7b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32,
+                 "dtype": "float16"},
+    # Llama-3-8B: 32 layers, 32 query heads but 8 KV heads of 128 (GQA), bf16:
+    # a quarter of OPT's KV bytes per token
+    "llama-3-8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                   "dtype": "bfloat16"},
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (FlexLLMGen's KV layout; OPT-6.7B by default)")
-    g.add_argument("--layers", type=int, default=32)
-    g.add_argument("--hidden", type=int, default=4096)
-    g.add_argument("--heads", type=int, default=32)
+    g.add_argument("--model", choices=sorted(MODELS), default="opt-6.7b",
+                   help="KV shape: layers, heads, KV heads, dtype (default opt-6.7b)")
+    g.add_argument("--layers", type=int, default=None)
+    g.add_argument("--hidden", type=int, default=None)
+    g.add_argument("--heads", type=int, default=None)
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="KV heads (GQA; default: the model's, = --heads for OPT)")
     g.add_argument("--batch", type=int, default=1,
                    help="batch size (default 1: the paper's 32 scaled to this box)")
     g.add_argument("--prompt", type=int, default=512)
     g.add_argument("--gen", type=int, default=32)
-    g.add_argument("--dtype", default="float16")
+    g.add_argument("--dtype", default=None, help="float16 | bfloat16 (default: the model's)")
     p.add_argument("--caps", default="0.2,0.4,0.6,0.8,0.9,1.0,1.2",
                    help="caps as fractions of the KV working set (added to the worker's "
                         "fixed memory, measured first)")
@@ -58,6 +74,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=600, help="seconds per worker")
+
+
+def model_shape(args: argparse.Namespace) -> dict:
+    """The workload's layers/hidden/heads/kv_heads/dtype: ``--model`` and overrides."""
+    m = dict(MODELS[getattr(args, "model", None) or "opt-6.7b"])
+    mha = m["kv_heads"] == m["heads"]        # no GQA: KV heads follow --heads
+    for k in ("layers", "hidden", "heads", "kv_heads", "dtype"):
+        v = getattr(args, k, None)
+        if v is not None:
+            m[k] = v
+    if mha and getattr(args, "kv_heads", None) is None:
+        m["kv_heads"] = m["heads"]
+    if m["heads"] % m["kv_heads"] or m["hidden"] % m["heads"]:
+        raise SystemExit(f"phx bench kv: {m['heads']} heads do not split into "
+                         f"{m['kv_heads']} KV heads, or hidden {m['hidden']} into heads")
+    return m
 
 
 def _worker_argv(conf: dict, out: str) -> list[str]:
@@ -119,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if not ok:
         print(f"phx bench kv: {why}; the benchmark needs real memory cgroups", file=sys.stderr)
         return 1
-    base_conf = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+    m = model_shape(args)
+    base_conf = {**m, "model": args.model,
                  "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
-                 "dtype": args.dtype, "threads": args.threads, "reserve": args.reserve,
+                 "threads": args.threads, "reserve": args.reserve,
                  "dma": not args.no_dma}
     shape = Shape(base_conf)
     ws = shape.working_set
@@ -135,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(root, exist_ok=True)
     root = os.path.abspath(root)
 
-    print(f"KV working set: {args.layers} layers x K,V of {shape.tshape} {args.dtype} = "
+    print(f"KV working set ({args.model}): {shape.layers} layers x K,V of {shape.tshape} "
+          f"{shape.dtype_name} = "
           f"{ws / MiB:.1f} MiB; decode reads {_gen_read_bytes(shape) / 1e9:.2f} GB in "
           f"{args.gen - 1} steps; files under {root}")
     # the worker's fixed memory (interpreter, numpy, phx, copy and destination buffers)
@@ -340,7 +374,7 @@ def plot(rows, per_cap, path, shape, ws) -> None:
     ax[1].set_title("Decode")
     ax[2].set_title("Page-cache hit rate")
     ax[1].legend(fontsize=8)
-    fig.suptitle(f"phx bench kv: {shape.layers} layers, KV {shape.tshape} fp16 x "
+    fig.suptitle(f"phx bench kv: {shape.layers} layers, KV {shape.tshape} {shape.dtype_name} x "
                  f"{2 * shape.layers} = {ws / MiB:.0f} MiB, prompt {shape.prompt}, "
                  f"gen {shape.gen}", fontsize=10)
     fig.tight_layout()
