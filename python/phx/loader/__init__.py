@@ -1,0 +1,79 @@
+"""Safetensors checkpoints straight into their final memory (GPU or host).
+
+>>> from phx import loader
+>>> sd = loader.load_file("model.safetensors.index.json", device="cuda")   # dict
+>>> for name, t in loader.iter_tensors("/models/llama", device="cuda:0"):  # vLLM style
+...     model_param[name].copy_(t)
+
+Every header of the checkpoint (one file, the shards of an
+``*.index.json``, or a directory holding either) is read and validated
+before any data is (:mod:`phx.loader.format`); reads are planned as merged
+contiguous ranges in file order (:mod:`phx.loader.plan`) and run through
+phx (:mod:`phx.loader.stream`): O_DIRECT, GPU targets through phx.gpu's
+bounded pinned staging, host targets directly (only unaligned edges are
+bounced).  Tensors are views of a few large allocations (one per merged
+range of at most ``group_bytes``), so tensors next to each other in the file
+share a storage.
+
+Tensor parallelism: ``shard=`` (a callable ``(name, shape) -> Slice | None``,
+e.g. :func:`tp_sharder`) reads only rank ``r``'s part of a tensor along a
+dimension; a column slice reads one piece per row.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from phx.loader.checkpoint import Checkpoint, open_checkpoint
+from phx.loader.format import DTYPES, CheckpointError, TensorInfo
+from phx.loader.plan import Job, Sharder, Slice, plan, slice_shape, tp_sharder
+from phx.loader.stream import Backend, GPUBackend, HostBackend, backend_for, run
+
+__all__ = [
+    "Backend", "Checkpoint", "CheckpointError", "DTYPES", "GPUBackend", "HostBackend",
+    "Job", "Sharder", "Slice", "TensorInfo", "iter_tensors", "load_file",
+    "open_checkpoint", "plan", "slice_shape", "tp_sharder",
+]
+
+GROUP_BYTES = 256 << 20
+INFLIGHT_BYTES = 1 << 30
+
+
+def _jobs(ck: Checkpoint, names: Iterable[str] | None, shard: Sharder | None,
+          group_bytes: int) -> list[Job]:
+    if names is None:
+        tensors = list(ck.tensors.values())
+    else:
+        names = list(names)
+        missing = [n for n in names if n not in ck.tensors]
+        if missing:
+            raise KeyError(f"not in the checkpoint: {missing[:5]}")
+        tensors = [ck.tensors[n] for n in names]
+    return plan(tensors, group_bytes, shard)
+
+
+def iter_tensors(path: str | os.PathLike, device: Any = "cpu", *,
+                 shard: Sharder | None = None, names: Iterable[str] | None = None,
+                 progress: bool = False, group_bytes: int = GROUP_BYTES,
+                 inflight_bytes: int = INFLIGHT_BYTES) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` for every tensor (or ``names``) in file order,
+    each on ``device`` once its bytes have arrived.  At most about
+    ``inflight_bytes`` are being read ahead; memory the caller drops is
+    freed once every tensor of its allocation (``group_bytes``) is dropped.
+    Headers are all validated before the first tensor is yielded."""
+    ck = open_checkpoint(path)
+    jobs = _jobs(ck, names, shard, group_bytes)
+    return run(jobs, backend_for(device), inflight_bytes=inflight_bytes, progress=progress)
+
+
+def load_file(path: str | os.PathLike, device: Any = "cpu", *,
+              shard: Sharder | None = None, names: Iterable[str] | None = None,
+              progress: bool = False, group_bytes: int = GROUP_BYTES,
+              inflight_bytes: int = 4 * INFLIGHT_BYTES) -> dict[str, Any]:
+    """Every tensor (or ``names``) of the checkpoint at ``path`` as a dict of
+    torch tensors on ``device`` (like ``safetensors.torch.load_file``, plus
+    sharded checkpoints and ``shard=``).  Raises :class:`CheckpointError` (or
+    ``OSError``) and returns nothing when any byte cannot be read."""
+    return dict(iter_tensors(path, device, shard=shard, names=names, progress=progress,
+                             group_bytes=group_bytes, inflight_bytes=inflight_bytes))
