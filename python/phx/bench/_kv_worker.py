@@ -308,6 +308,7 @@ def run_worker(c: dict) -> dict:
     blk0 = _block_read_bytes()
     # prefill (timed: the writes; not the drawing and hashing of the data)
     t_prefill = 0.0
+    layer_s = []
     for L in range(s.layers):
         ws = [(2 * L, srcs[0]), (2 * L + 1, srcs[1])]
         for tid, a in ws:
@@ -319,7 +320,8 @@ def run_worker(c: dict) -> dict:
             list(pool.map(lambda a: io.write(a[0], 0, a[1]), ws))
         else:
             list(pipe._pool.map(lambda a: io.write(a[0], 0, a[1]), ws))
-        t_prefill += time.perf_counter() - t0
+        layer_s.append(time.perf_counter() - t0)
+        t_prefill += layer_s[-1]
     io1 = _sys.proc_io()
     blk1 = _block_read_bytes()
     # decode
@@ -355,6 +357,7 @@ def run_worker(c: dict) -> dict:
     res = {
         "config": cfg,
         "prefill_s": t_prefill,
+        "prefill_layer_s": layer_s,
         "decode_s": t_decode,
         "decode_step_s": steps,
         "hit_pages": hit[0],
