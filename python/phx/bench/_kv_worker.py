@@ -269,7 +269,9 @@ def run_worker(c: dict) -> dict:
 
     strategy = c.get("strategy")                 # dual: None = adaptive
     if cfg == "dual":
-        pipe = AdaptivePipeline(s.tensor_bytes, threads, strategy=strategy)
+        # the store's relays (registered with phx's io_uring as fixed buffers)
+        pipe = AdaptivePipeline(s.tensor_bytes, threads, strategy=strategy,
+                                relays=io.store.relays())
         relays = pipe.relays
         pool = None
     else:

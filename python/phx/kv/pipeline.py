@@ -1,9 +1,10 @@
 """Adaptive pipeline parallelism between storage reads and the copy ("GPU DMA").
 
-Copy threads each own one aligned relay buffer (the paper's pinned per-thread
-buffer, shared by the storage read and the DMA: Co-DMA).  A job is "read a range
-from storage into my relay buffer, then copy it to its destination".  Two ways to
-overlap two threads:
+Copy threads each own one relay (:mod:`phx.kv.codma`: the paper's pinned
+per-thread buffer, shared by the storage read and the GPU DMA: Co-DMA).  A job is
+"read a range from storage into my relay, then copy it to its destination" (for a
+CUDA destination an H2D copy on the relay's stream, waited for, so the probe times
+real copy work).  Two ways to overlap two threads:
 
 - Overlap-Intra: the threads' storage reads run in parallel; copies are serialised.
 - Overlap-Cross: storage reads are taken in turn (thread 2's read starts when thread
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from phx.kv import _sys
+from phx.kv.codma import RelayPool
 
 INTRA = "overlap-intra"
 CROSS = "overlap-cross"
@@ -43,22 +44,35 @@ class AdaptivePipeline:
     """Runs batches of :class:`CopyJob` on ``threads`` copy threads.
 
     Args:
-        relay_bytes: size of each thread's relay buffer (>= the largest read).
+        relay_bytes: size of each thread's relay buffer (>= the largest read);
+            ignored when ``relays`` is given.
         threads: copy threads (2 in the paper's probe).
+        relays: a :class:`~phx.kv.codma.RelayPool` (e.g. ``store.relays(device)``)
+            whose first ``threads`` relays the threads use; each thread's relay is
+            bound to it while it runs jobs (``pool.current()``).  Default: host
+            relays of ``relay_bytes`` made here.
         strategy: force one strategy (no probing) when given.
         delay_hook: ``hook(strategy, thread, job_index)`` called just before every
             storage read (tests use it to slow one strategy down).
     """
 
-    def __init__(self, relay_bytes: int, threads: int = 2, strategy: str | None = None,
-                 delay_hook: Callable[[str, int, int], None] | None = None):
+    def __init__(self, relay_bytes: int = 0, threads: int = 2, strategy: str | None = None,
+                 delay_hook: Callable[[str, int, int], None] | None = None,
+                 relays: "RelayPool | None" = None):
         if threads < 1:
             raise ValueError("threads must be >= 1")
         if strategy is not None and strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}")
+        self._own_pool = relays is None
+        if relays is None:
+            relays = RelayPool(threads, relay_bytes)
+        elif len(relays.relays) < threads:
+            raise ValueError(f"{threads} copy threads need {threads} relays, the pool "
+                             f"has {len(relays.relays)}")
+        self.pool = relays
         self.threads = threads
-        self.relays = [_sys.aligned_empty(relay_bytes) for _ in range(threads)]
-        self.relay_bytes = relay_bytes
+        self.relays = [r.buf for r in relays.relays[:threads]]
+        self.relay_bytes = relays.nbytes
         self.forced = strategy
         self.locked: str | None = strategy
         self.delay_hook = delay_hook
@@ -138,6 +152,11 @@ class AdaptivePipeline:
             raise
 
     def _jobs(self, tidx: int, idxs: list[int], jobs: Sequence[CopyJob], st: "_RunState") -> int:
+        with self.pool.bind(self.pool.relays[tidx]):
+            return self._jobs_bound(tidx, idxs, jobs, st)
+
+    def _jobs_bound(self, tidx: int, idxs: list[int], jobs: Sequence[CopyJob],
+                    st: "_RunState") -> int:
         relay = self.relays[tidx]
         total = 0
         for k in idxs:
@@ -164,10 +183,13 @@ class AdaptivePipeline:
 
     def report(self) -> dict:
         return {"choice": self.locked, "forced": self.forced is not None,
-                "probe": self.measured, "threads": self.threads}
+                "probe": self.measured, "threads": self.threads,
+                "relays": self.pool.stats()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._own_pool:
+            self.pool.close()
 
     def __enter__(self) -> "AdaptivePipeline":
         return self

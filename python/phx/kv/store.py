@@ -44,7 +44,8 @@ def _itemsize(dtype: Any) -> tuple[int, bool]:
 
 
 def _byte_view(obj: Any, writable: bool) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous numpy array or CPU torch tensor."""
+    """A flat uint8 numpy view of a contiguous numpy array or CPU torch tensor
+    (GPU buffers are resolved by :func:`phx.kv.codma.gpu_view` before this)."""
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise ValueError("KV arrays must be C-contiguous")
@@ -55,7 +56,7 @@ def _byte_view(obj: Any, writable: bool) -> np.ndarray:
     if mod.startswith("torch"):
         import torch
         if obj.device.type != "cpu":
-            raise ValueError(f"only CPU tensors are supported here, not {obj.device}")
+            raise ValueError(f"{obj.device} tensors are not supported (CPU or CUDA only)")
         if not obj.is_contiguous():
             raise ValueError("KV tensors must be contiguous")
         return obj.detach().reshape(-1).view(torch.uint8).numpy()
@@ -169,12 +170,19 @@ class KVStore:
             (``kv-slab.bin``) created on the first direct binding.
         slab_capacity: preallocate the default slab to this many bytes.
         engine: the phx engine for the default slab (default: phx's default engine).
+        device: CUDA device whose tensors this store moves.  Given, the store's
+            Co-DMA relays (``copy_threads`` pinned buffers of one K or V tensor
+            each, see :mod:`phx.kv.codma`) are counted in the plan's budget before
+            they exist; without it they are made on the first GPU transfer, on
+            that tensor's device (and counted by later plans as cgroup usage).
+        copy_threads: relays for GPU transfers (the paper's N_threads).
     """
 
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
                  reserve: int | None = None, pinned_bytes: int = 0,
                  direct_backend: DirectBackend | None = None,
-                 slab_capacity: int | None = None, engine=None):
+                 slab_capacity: int | None = None, engine=None,
+                 device: int | None = None, copy_threads: int = 2):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         os.makedirs(directory, exist_ok=True)
@@ -193,6 +201,9 @@ class KVStore:
         self._own_direct = direct_backend is None
         self._last_plan: Plan | None = None
         self._closed = False
+        self.device = device
+        self.copy_threads = int(copy_threads)
+        self._relays = None                 # phx.kv.codma.RelayPool, made on demand
 
     # -- allocation ---------------------------------------------------------
     def allocate_tensor(self, layer: int, kind: str, shape: tuple[int, ...],
@@ -217,8 +228,49 @@ class KVStore:
     # -- planning -----------------------------------------------------------
     def measure_budget(self) -> Budget:
         """B_pc now: what Group 1 may hold in total (its resident pages included)."""
-        return measure_budget(self.pinned_bytes, self.reserve, self.budget_override,
-                              own_bytes=self.resident_group1_bytes())
+        return measure_budget(self.pinned_bytes + self.relay_bytes_to_pin(), self.reserve,
+                              self.budget_override, own_bytes=self.resident_group1_bytes())
+
+    def relay_bytes_to_pin(self) -> int:
+        """Co-DMA relay bytes this store will still pin (for ``device=`` stores whose
+        relays are not made yet; made ones are in the cgroup's usage already)."""
+        if self.device is None or self._relays is not None:
+            return 0
+        return self.copy_threads * self._relay_size()
+
+    def _relay_size(self) -> int:
+        """One relay: the largest K or V tensor, rounded to the page."""
+        sizes = [t.nbytes for t in self._tensors.values()]
+        return round_up(max(sizes), 4096) if sizes else 0
+
+    def relays(self, device: int | None = None):
+        """The store's :class:`~phx.kv.codma.RelayPool` (made on first use: pinned
+        on ``device``, or host relays for ``device=None`` with no store device)."""
+        from phx.kv.codma import RelayPool
+        with self._lock:
+            dev = self.device if self.device is not None else device
+            if self._relays is None:
+                size = self._relay_size()
+                if size == 0:
+                    raise ValueError("no tensors allocated: relay size unknown")
+                eng = None
+                if self._own_direct:
+                    # the slab's engine: its O_DIRECT I/O into a relay uses it as a
+                    # fixed buffer (an NVMe namespace has its own ring)
+                    import phx
+                    eng = self._engine or phx.default_engine()
+                self._relays = RelayPool(self.copy_threads, size, dev, eng)
+                if self.device is None:
+                    self.device = dev
+            elif device is not None and self._relays.device != device:
+                raise ValueError(f"this store moves tensors of device {self._relays.device}, "
+                                 f"not {device}")
+            return self._relays
+
+    @property
+    def relay_pool(self):
+        """The relay pool if made (None before the first GPU transfer)."""
+        return self._relays
 
     def resident_group1_bytes(self) -> int:
         """Bytes of this store's Group 1 in the page cache now (``cachestat``; where
@@ -309,8 +361,16 @@ class KVStore:
         return t.extent.start + start * t.row_bytes, (stop - start) * t.row_bytes
 
     def write(self, t: KVTensor, start: int, src: Any) -> int:
-        """Write ``src`` (array/tensor of whole rows) at rows ``start:``; returns rows written."""
+        """Write ``src`` (array/tensor of whole rows) at rows ``start:``; returns rows written.
+
+        A CUDA ``src`` goes GPU -> this thread's pinned relay (D2H on the relay's
+        stream, after the work queued on ``src``'s stream) -> storage.
+        """
         self._check_open()
+        from phx.kv.codma import gpu_view
+        g = gpu_view(src)
+        if g is not None:
+            return self._write_gpu(t, start, g)
         view = _byte_view(src, writable=False)
         if view.nbytes % t.row_bytes:
             raise ValueError(f"{view.nbytes} bytes is not a whole number of "
@@ -322,6 +382,75 @@ class KVStore:
             be.write(view, off)
         return n
 
+    def _rows_of(self, t: KVTensor, nbytes: int) -> int:
+        if nbytes % t.row_bytes:
+            raise ValueError(f"{nbytes} bytes is not a whole number of "
+                             f"{t.row_bytes}-byte rows")
+        return nbytes // t.row_bytes
+
+    def _write_gpu(self, t: KVTensor, start: int, g) -> int:
+        n = self._rows_of(t, g.nbytes)
+        be = self._ready(t)
+        off, ln = self._range(t, start, start + n)
+        with self.relays(g.device).acquire() as r:
+            for pos in range(0, ln, r.nbytes):
+                k = min(r.nbytes, ln - pos)
+                r.from_device(g.ptr + pos, k, after=g.stream)
+                be.write(r.buf[:k], off + pos)
+        return n
+
+    def _read_gpu(self, t: KVTensor, off: int, ln: int, g) -> None:
+        be = self.backend_of(t)
+        with self.relays(g.device).acquire() as r:
+            for pos in range(0, ln, r.nbytes):
+                k = min(r.nbytes, ln - pos)
+                be.read(r.buf[:k], off + pos)
+                r.to_device(g.ptr + pos, k)
+
+    def copy_job(self, t: KVTensor, start: int, stop: int, out: Any):
+        """A :class:`~phx.kv.CopyJob` for :class:`~phx.kv.AdaptivePipeline` built on
+        this store's relays (``AdaptivePipeline(relays=store.relays(dev))``): its
+        ``read`` fills the copy thread's relay from storage, its ``dma`` moves the
+        relay to ``out`` (H2D for a CUDA ``out``, a host copy otherwise), so the
+        pipeline can overlap and time the two."""
+        from phx.kv.codma import gpu_view
+        from phx.kv.pipeline import CopyJob
+        self._ready(t)
+        off, ln = self._range(t, start, stop)
+        g = gpu_view(out)
+        if g is None:
+            dst = _byte_view(out, writable=True)
+            nbytes = dst.nbytes
+        else:
+            nbytes = g.nbytes
+            self.relays(g.device)
+        if nbytes != ln:
+            raise ValueError(f"destination holds {nbytes} bytes, rows [{start}:{stop}] "
+                             f"are {ln}")
+        be = self.backend_of(t)
+        pool = self._relays
+
+        def read(relay_buf) -> int:
+            if ln > relay_buf.nbytes:
+                return 0                    # bigger than a relay: dma() moves it in pieces
+            if ln:
+                be.read(relay_buf[:ln], off)
+            return ln
+
+        def dma(relay_buf, nb: int) -> None:
+            if nb == 0 and ln:
+                self.read(t, start, stop, out=out)
+                return
+            if g is None:
+                np.copyto(dst, relay_buf[:nb])
+            else:
+                r = pool.current()
+                if r is None or r.buf.ctypes.data != relay_buf.ctypes.data:
+                    raise RuntimeError("copy_job needs a pipeline running on this "
+                                       "store's relays (AdaptivePipeline(relays=...))")
+                r.to_device(g.ptr, nb)
+        return CopyJob(read, dma)
+
     def write_async(self, t: KVTensor, start: int, src: Any):
         """Start :meth:`write`; returns a future (``result()`` = bytes written).
 
@@ -331,6 +460,12 @@ class KVStore:
         write synchronously.
         """
         self._check_open()
+        from phx.kv.codma import gpu_view
+        from phx.kv.slab import Done
+        g = gpu_view(src)
+        if g is not None:
+            # the relay is this thread's until the bytes are stored: done on return
+            return Done(self._write_gpu(t, start, g) * t.row_bytes)
         view = _byte_view(src, writable=False)
         if view.nbytes % t.row_bytes:
             raise ValueError(f"{view.nbytes} bytes is not a whole number of "
@@ -341,15 +476,29 @@ class KVStore:
             return be.write_async(view, off)
         if ln:
             be.write(view, off)
-        from phx.kv.slab import Done
         return Done(ln)
 
     def read(self, t: KVTensor, start: int = 0, stop: int | None = None, out: Any = None):
-        """Read rows ``[start:stop]`` into ``out`` (allocated, aligned, when None); returns it."""
+        """Read rows ``[start:stop]`` into ``out`` (allocated, aligned, when None); returns it.
+
+        A CUDA ``out`` is filled storage -> this thread's pinned relay -> H2D on the
+        relay's stream (done when this returns).
+        """
         self._check_open()
         stop = t.rows if stop is None else stop
         be = self._ready(t)
         off, ln = self._range(t, start, stop)
+        if out is not None:
+            from phx.kv.codma import gpu_view
+            g = gpu_view(out)
+            if g is not None:
+                if g.nbytes != ln:
+                    raise ValueError(f"destination holds {g.nbytes} bytes, rows "
+                                     f"[{start}:{stop}] are {ln}")
+                if g.readonly:
+                    raise ValueError("destination GPU buffer is read-only")
+                self._read_gpu(t, off, ln, g)
+                return out
         if out is None:
             out = self._empty(t, stop - start)
         view = _byte_view(out, writable=True)
@@ -406,6 +555,8 @@ class KVStore:
                 self._pc.close(unlink)
             if self._direct is not None:
                 self._direct.close(unlink if self._own_direct else False)
+            if self._relays is not None:
+                self._relays.close()
             self._closed = True
 
     close = destroy
