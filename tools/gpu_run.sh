@@ -2,7 +2,7 @@
 # tools/gpu_run.sh - build phx on the H200 box and run the GPU tests and
 # benchmarks there, in one call of the device tool.  Logs and JSON go to $OUT.
 #
-#   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks
+#   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks probe
 #   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, TEST_TIMEOUT size the steps)
 #
 # Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
@@ -92,6 +92,18 @@ chunks() {
 		--json "$OUT/chunks.json" --plot "$OUT/chunks.png" 2>&1 | tee -a "$LOG" | tail -90
 }
 
+probe() {	# stream-ordered ops timed one by one (tools/stream_probe.py), zram then disk
+	log probe
+	timeout 60 python3 tools/cuda_micro.py 2>&1 | tee -a "$LOG"
+	local id
+	id=$(zram_up 6G)
+	PROBE_LATENCY_ONLY=1 timeout 200 python3 tools/stream_probe.py /mnt/phx-tune$id/probe.bin --ops 48 \
+		--json "$OUT/probe-zram.json" 2>&1 | tee -a "$LOG"
+	zram_down $id
+	PROBE_LATENCY_ONLY=1 timeout 150 python3 tools/stream_probe.py $BENCHDIR/probe.bin --ops 24 \
+		--json "$OUT/probe-disk.json" 2>&1 | tee -a "$LOG"
+}
+
 setup || exit 1
 for step in "$@"; do
 	case $step in
@@ -102,6 +114,7 @@ for step in "$@"; do
 	smoke) smoke ;;
 	seq) seq ;;
 	chunks) chunks ;;
+	probe) probe ;;
 	*) echo "unknown step $step"; exit 2 ;;
 	esac
 done

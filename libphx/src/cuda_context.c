@@ -286,7 +286,7 @@ static int flags_setup(phx_cuda *c)
  */
 static bool kernel_load(phx_cuda *c)
 {
-	uint32_t blocks = c->cfg.buf_size / (256u * 16u * 4u);
+	uint32_t blocks = c->cfg.buf_size / (256u * 16u * 4u);	/* 4 x 16 B a thread */
 
 	if (c->d->ModuleLoadData(&c->module, cuda_copy_ptx) != CUDA_SUCCESS) {
 		c->module = NULL;
@@ -398,6 +398,7 @@ CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg
 		return ret;
 	}
 	c->d = d;
+	c->trace = phx_env_u32("PHX_CUDA_TRACE", 0) != 0;
 	c->eng = eng;
 	pthread_mutex_init(&c->lock, NULL);
 	pthread_mutex_init(&c->done_lock, NULL);

@@ -188,6 +188,12 @@ struct cu_after {
 	int refs;			/* atomic */
 };
 
+/* stream-op milestones, printed at release when PHX_CUDA_TRACE=1 */
+enum rq_trace_point {
+	TR_QUEUED, TR_ARRIVED, TR_RESOLVED, TR_FILL0, TR_FLAG0, TR_DONE0, TR_FINAL,
+	TR_RELEASE, RQ_TRACE_N
+};
+
 struct cu_req {
 	struct cu_req *next;		/* ready queue / free list (c->lock) */
 	phx_cuda *c;
@@ -223,6 +229,8 @@ struct cu_req {
 	uint64_t short_end;		/* lowest end of a short read */
 	uint64_t direct_bytes, bounce_bytes, buffered_bytes;
 	uint32_t paths;
+	/* PHX_CUDA_TRACE=1: stream-op milestones (phx_now_ns), see rq_trace() */
+	int64_t trace[RQ_TRACE_N];
 };
 
 int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
@@ -245,6 +253,7 @@ void rq_fail(struct cu_req *rq, int64_t err);
 void rq_finish(struct cu_req *rq);
 void rq_stage_fill(struct cu_stage *st, struct cu_piece *p, uint64_t staging_d);
 void rq_stages_advance(struct cu_req *rq);
+void rq_trace(struct cu_req *rq, int pt);
 void rq_stage_written(struct cu_stage *st, struct cu_piece *p);
 void rq_stages_cut_done_locked(struct cu_req *rq);
 struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
@@ -329,6 +338,7 @@ struct phx_cuda {
 	CUdevice dev;
 	CUcontext ctx;
 	bool memops;
+	bool trace;			/* PHX_CUDA_TRACE: stream-op timings to stderr */
 	bool batch_copy;
 	bool fixed_bufs;
 	struct cu_lane *lanes;

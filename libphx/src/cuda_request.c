@@ -44,6 +44,7 @@
  * file is registered (phx_cuda_file_register).
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -326,11 +327,38 @@ int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
 	return 0;
 }
 
+/* Diagnosis (PHX_CUDA_TRACE=1): note when a stream op passes @pt. */
+void rq_trace(struct cu_req *rq, int pt)
+{
+	if (rq->c->trace && rq->stream_op && !rq->trace[pt])
+		rq->trace[pt] = phx_now_ns();
+}
+
+/* The milestones of one stream op, in microseconds after it was queued. */
+static void rq_trace_print(struct cu_req *rq)
+{
+	const int64_t *t = rq->trace;
+	int64_t t0 = t[TR_QUEUED];
+	char line[256];
+	int i, n;
+
+	if (!rq->c->trace || !rq->stream_op)
+		return;
+	n = snprintf(line, sizeof(line), "phx-trace %s rounds=%u us:",
+		     rq->op == PHX_OP_READ ? "read" : "write", rq->nstages);
+	for (i = 1; i < RQ_TRACE_N && n > 0 && n < (int)sizeof(line); i++)
+		n += snprintf(line + n, sizeof(line) - n, " %lld",
+			      t[i] ? (long long)(t[i] - t0) / 1000 : -1LL);
+	fprintf(stderr, "%s\n", line);
+}
+
 /* CUDA's callback thread: the caller's stream reached the request. */
 static void arrive_fn(void *arg)
 {
 	struct cu_req *rq = arg;
 	phx_cuda *c = rq->c;
+
+	rq_trace(rq, TR_ARRIVED);
 
 	pthread_mutex_lock(&c->lock);
 	rq->state = RQ_ARRIVED;
@@ -354,6 +382,8 @@ static void stage_done_fn(void *arg)
 	struct cu_stage *st = arg;
 	struct cu_sbuf *b = __atomic_load_n(&st->b, __ATOMIC_ACQUIRE);
 
+	rq_trace(st->rq, TR_DONE0);
+
 	if (b) {
 		__atomic_store_n(&st->gpu_done, 1, __ATOMIC_RELEASE);
 		eventfd_write(b->ln->efd, 1);
@@ -365,6 +395,8 @@ static void stage_done_fn(void *arg)
 /* CUDA's callback thread: the stream is past the request's last operation. */
 static void release_fn(void *arg)
 {
+	rq_trace(arg, TR_RELEASE);
+	rq_trace_print(arg);
 	rq_piece_done_ref(arg);
 }
 
@@ -527,6 +559,7 @@ int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 	 */
 	rq->pieces = 1 + (int)rq->nstages + 1 + 1;
 	live_inc(c);
+	rq_trace(rq, TR_QUEUED);
 
 	ret = ctx_push(c);
 	if (!ret) {
@@ -577,6 +610,7 @@ int rq_resolve(struct cu_req *rq)
 	phx_cuda *c = rq->c;
 	int64_t foff, boff;
 
+	rq_trace(rq, TR_RESOLVED);
 	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
 		goto finish;
 	if (rq->io_args) {
@@ -815,6 +849,7 @@ void rq_stage_fill(struct cu_stage *st, struct cu_piece *p, uint64_t staging_d)
 		d->len = bad ? 0 : p->user_len;
 	}
 	stat_add(c, rq->op == PHX_OP_READ ? &c->st.h2d_bytes : &c->st.d2h_bytes, d->len);
+	rq_trace(rq, TR_FILL0);
 	pthread_mutex_lock(&c->lock);
 	st->ready = true;
 	pthread_mutex_unlock(&c->lock);
@@ -865,6 +900,7 @@ void rq_stages_advance(struct cu_req *rq)
 		target = final - 1;	/* the last one after publishing */
 	}
 	if ((int32_t)(rq->seq + target - rq->raised) > 0) {
+		rq_trace(rq, TR_FLAG0);
 		rq->raised = rq->seq + target;
 		__atomic_store_n(&c->flags[rq->slot], rq->raised, __ATOMIC_RELEASE);
 	}
@@ -872,6 +908,7 @@ void rq_stages_advance(struct cu_req *rq)
 	if (!publish)
 		return;
 	rq_publish(rq);
+	rq_trace(rq, TR_FINAL);
 	pthread_mutex_lock(&c->lock);
 	rq->raised = rq->seq + final;
 	__atomic_store_n(&c->flags[rq->slot], rq->raised, __ATOMIC_RELEASE);
