@@ -727,7 +727,13 @@ def test_dual_stays_under_the_cap_in_a_real_cgroup(tmp_path):
                                cap, 120)
     assert res.get("verified") is True, res
     g1 = res["plan"]["pagecache_bytes"]
-    assert 0 < g1 <= shape.working_set // 2, (g1, shape.working_set, res["budget"])
+    b = res["budget"]
+    # what the cgroup really had room for when the plan was made
+    assert 0 < g1 <= b["cgroup_limit"] - b["cgroup_usage"] - b["pinned"], (g1, b)
+    # and the cap's KV share, give or take one layer: the probe's fixed memory
+    # varies by a MiB or two from run to run
+    pair = 2 * shape.tensor_bytes
+    assert g1 <= shape.working_set // 2 + pair, (g1, shape.working_set, b)
 
 
 def test_bench_cgroup_caps_swap_too():
