@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * Private declarations shared by the files of phx.ko.
+ * Private declarations shared by the files of phx.ko, and the interface
+ * a provider module (phx_nv.ko) builds against.
  */
 #ifndef _PHX_H
 #define _PHX_H
 
 #include <linux/completion.h>
+#include <linux/fs.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/memremap.h>
@@ -19,27 +21,40 @@
 /* Each registration owns a window of 2^PHX_MMAP_SHIFT bytes of mmap offsets. */
 #define PHX_MMAP_SHIFT		40
 #define PHX_MAX_HANDLE		((1U << 20) - 1)
+/* Registrations are made of 2 MiB chunks (PHX_REG_ALIGN). */
+#define PHX_CHUNK_SHIFT		21
+#define PHX_CHUNK_PAGES		(1UL << (PHX_CHUNK_SHIFT - PAGE_SHIFT))
+
+/* Number of provider ids (PHX_PROV_*) the core knows. */
+#define PHX_NR_PROVIDERS	3
 
 struct phx_reg;
-struct phx_p2p_dev;
+struct phx_pci;
 
 /**
  * struct phx_provider - a source of device memory.
  * @name: for messages.
- * @acquire: validate @arg, check the caller's rights, fill reg->ranges,
- *	reg->nr_ranges, reg->pdev and reg->bar; 0 or -errno.
- * @release: undo @acquire (may sleep).  Not called after @revoked_by_owner
- *	has taken the memory away.
+ * @owner: the module implementing it (held while a registration uses it).
+ * @revocable: the memory's owner can take it back at any time (a free
+ *	callback): long-term pins are refused on such registrations.
+ * @acquire: validate @arg, check the rights of @file's opener, fill
+ *	reg->ranges (kvmalloc'ed, freed by the core), reg->nr_ranges,
+ *	reg->pdev (a reference) and reg->bar; 0 or -errno.
+ * @release: undo @acquire (may sleep).
  */
 struct phx_provider {
 	const char *name;
-	int (*acquire)(struct phx_reg *reg, const struct phx_register *arg);
+	struct module *owner;
+	bool revocable;
+	int (*acquire)(struct phx_reg *reg, const struct phx_register *arg,
+		       struct file *file);
 	void (*release)(struct phx_reg *reg);
 };
 
 /**
  * struct phx_reg - one registered range of device memory.
- * @kref: held by the owning file's list and by every VMA mapping it.
+ * @kref: held by the owning file's list, by every VMA mapping it and by
+ *	a queued teardown.
  * @node: in the owning file's list (under phx_file.lock).
  * @handle: user-visible id, unique in the module.
  * @mmap_off: byte offset of the mapping window in the device file.
@@ -47,16 +62,22 @@ struct phx_provider {
  * @mapping: the device file's address_space, for revocation.
  * @prov: provider; @prov_data its private state.
  * @pdev: the PCI device holding the memory (a reference), or NULL.
- * @bar: its BAR index.
+ * @bar: its BAR index, or -1.
  * @flags: PHX_REG_* from the caller.
  * @mode: PHX_MODE_*; @status: PHX_ST_*.
  * @nr_ranges: entries in @ranges (physical CPU addresses).
+ * @chunk_pfn: first pfn of each 2 MiB chunk: O(1) page lookup.
  * @pgmap: GENERIC mode: our pagemap (nr_range == @nr_ranges).
- * @p2p: P2PDMA mode: per-device state; @p2p_group: devres group;
- *	@p2p_kaddr: what pci_alloc_p2pmem() returned.
- * @lock: held to test @live and insert PTEs, to clear @live and zap.
+ * @p2p: P2PDMA mode: the phx-bound device whose published BAR holds it.
+ * @own_ref: phx holds the idle reference of every page (the kernel left
+ *	them at 0: P2PDMA pages from 6.15 on) and drops it at teardown.
+ * @lock: held to test @live and insert PTEs, to clear @live and zap, and
+ *	while the pages are created.
  * @live: pages exist and may be mapped.
+ * @revoked: revocation started; the registration never goes live again.
+ * @ever_live: it went live once, so a teardown will complete @quiesced.
  * @finish_work: the teardown after revocation (waits for I/O).
+ * @quiesced: completed when no I/O holds a page any more (after revoke).
  * @done: completed when the pages are gone.
  */
 struct phx_reg {
@@ -75,15 +96,23 @@ struct phx_reg {
 	u32 status;
 	unsigned int nr_ranges;
 	struct range *ranges;
+	unsigned long *chunk_pfn;
 	struct dev_pagemap *pgmap;
-	struct phx_p2p_dev *p2p;
-	void *p2p_group;
-	void *p2p_kaddr;
-	struct mutex lock;		/* protects live, mapping, PTE inserts */
+	struct phx_pci *p2p;
+	bool own_ref;
+	struct mutex lock;		/* see @lock above */
 	bool live;
+	bool revoked;
+	bool ever_live;
 	struct work_struct finish_work;
+	struct completion quiesced;
 	struct completion done;
 };
+
+/* the provider interface (exported for phx_nv.ko) */
+int phx_provider_register(u32 id, const struct phx_provider *prov);
+void phx_provider_unregister(u32 id);
+bool phx_reg_provider_revoke(struct phx_reg *reg);
 
 /* phx_main.c */
 extern unsigned long long phx_max_reg_bytes;
@@ -93,12 +122,20 @@ bool phx_reg_revoke(struct phx_reg *reg);
 void phx_reg_revoke_async(struct phx_reg *reg);
 u64 phx_nr_regs(void);
 u64 phx_nr_pages_busy(void);
+bool phx_provider_available(u32 id);
 
 /* phx_mem.c: struct pages for device memory */
 int phx_mem_create(struct phx_reg *reg);
 void phx_mem_destroy(struct phx_reg *reg);
 u32 phx_mem_dev_status(struct pci_dev *pdev);
 u32 phx_mem_module_status(void);
+
+/* phx_pci.c: devices bound to phx (one P2PDMA publication each) */
+int phx_pci_init(void);
+void phx_pci_exit(void);
+struct phx_pci *phx_pci_of(struct pci_dev *pdev);
+int phx_pci_claim(struct phx_reg *reg);
+void phx_pci_unclaim(struct phx_reg *reg);
 
 /* phx_ioctl.c */
 struct phx_file;
@@ -108,11 +145,7 @@ struct phx_reg *phx_file_take(struct phx_file *pf, u32 handle);
 int phx_register(struct file *file, struct phx_register *arg);
 int phx_unregister(struct file *file, u32 handle);
 
-/* providers */
+/* the built-in provider */
 extern const struct phx_provider phx_pcibar_provider;
-extern const struct phx_provider phx_nvidia_provider;
-int phx_nvidia_init(void);
-void phx_nvidia_exit(void);
-bool phx_nvidia_available(void);
 
 #endif /* _PHX_H */

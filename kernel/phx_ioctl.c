@@ -36,7 +36,7 @@ static long phx_ioc_info(void __user *uarg)
 	memset(&info, 0, sizeof(info));
 	info.abi_version = PHX_ABI_VERSION;
 	info.flags = phx_mem_module_status();
-	if (phx_nvidia_available())
+	if (phx_provider_available(PHX_PROV_NVIDIA))
 		info.flags |= PHX_ST_NVIDIA;
 	info.reg_align = PHX_REG_ALIGN;
 	info.max_reg_bytes = phx_max_reg_bytes;

@@ -19,8 +19,10 @@
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/pagemap.h>
 #include <linux/rcupdate.h>
 #include <linux/slab.h>
+#include <linux/sort.h>
 
 #include "phx.h"
 
@@ -28,6 +30,11 @@ unsigned long long phx_max_reg_bytes = 64ULL << 30;
 module_param_named(max_reg_bytes, phx_max_reg_bytes, ullong, 0644);
 MODULE_PARM_DESC(max_reg_bytes,
 		 "Largest registration in bytes (struct pages cost 1/64 of it in RAM)");
+
+static unsigned int phx_revoke_wait_ms = 10000;
+module_param_named(revoke_wait_ms, phx_revoke_wait_ms, uint, 0644);
+MODULE_PARM_DESC(revoke_wait_ms,
+		 "How long a provider's revocation (NVIDIA free callback) waits for DMA in flight");
 
 static DEFINE_IDA(phx_ida);
 static atomic64_t phx_regs_live = ATOMIC64_INIT(0);
@@ -44,38 +51,178 @@ u64 phx_nr_pages_busy(void)
 }
 
 /* ---------------------------------------------------------------------- */
+/* Providers                                                                */
+
+static DEFINE_MUTEX(phx_prov_lock);
+static const struct phx_provider *phx_providers[PHX_NR_PROVIDERS] = {
+	[PHX_PROV_PCIBAR] = &phx_pcibar_provider,
+};
+
+/*
+ * The provider interface is exported without _GPL on purpose: phx_nv.ko
+ * links against the NVIDIA driver's symbols, and a module that imports
+ * from a proprietary module may not use GPL-only exports.
+ */
+
+/**
+ * phx_provider_register - offer a provider for registrations of type @id.
+ * @id: PHX_PROV_* (not PHX_PROV_PCIBAR, which is built in).
+ * @prov: the provider; must stay valid until phx_provider_unregister().
+ *
+ * Return: 0, -EINVAL for a bad @id, -EBUSY when @id is taken.
+ */
+int phx_provider_register(u32 id, const struct phx_provider *prov)
+{
+	int ret = 0;
+
+	if (id >= PHX_NR_PROVIDERS || id == PHX_PROV_PCIBAR || !prov)
+		return -EINVAL;
+	mutex_lock(&phx_prov_lock);
+	if (phx_providers[id])
+		ret = -EBUSY;
+	else
+		phx_providers[id] = prov;
+	mutex_unlock(&phx_prov_lock);
+	return ret;
+}
+EXPORT_SYMBOL(phx_provider_register);
+
+/**
+ * phx_provider_unregister - withdraw the provider of @id.
+ * @id: as given to phx_provider_register().
+ *
+ * Registrations hold the provider's module, so none is left when its
+ * module exit calls this.
+ */
+void phx_provider_unregister(u32 id)
+{
+	if (id >= PHX_NR_PROVIDERS || id == PHX_PROV_PCIBAR)
+		return;
+	mutex_lock(&phx_prov_lock);
+	phx_providers[id] = NULL;
+	mutex_unlock(&phx_prov_lock);
+}
+EXPORT_SYMBOL(phx_provider_unregister);
+
+/* The provider of @id with a reference on its module, or NULL. */
+static const struct phx_provider *phx_provider_get(u32 id)
+{
+	const struct phx_provider *prov = NULL;
+
+	if (id >= PHX_NR_PROVIDERS)
+		return NULL;
+	mutex_lock(&phx_prov_lock);
+	if (phx_providers[id] && try_module_get(phx_providers[id]->owner))
+		prov = phx_providers[id];
+	mutex_unlock(&phx_prov_lock);
+	return prov;
+}
+
+bool phx_provider_available(u32 id)
+{
+	bool ok;
+
+	mutex_lock(&phx_prov_lock);
+	ok = id < PHX_NR_PROVIDERS && phx_providers[id];
+	mutex_unlock(&phx_prov_lock);
+	return ok;
+}
+
+/*
+ * Providers return the NVIDIA driver's -ENOTSUPP (524), which is not a
+ * user-space errno; anything else outside the errno range becomes -EIO.
+ */
+static int phx_user_errno(int err)
+{
+	if (err == -ENOTSUPP)
+		return -EOPNOTSUPP;
+	if (err > 0)
+		return -EINVAL;
+	if (err < -ERESTART_RESTARTBLOCK)
+		return -EIO;
+	return err;
+}
+
+/* ---------------------------------------------------------------------- */
 /* Registrations                                                            */
 
 /**
  * phx_reg_page - the struct page backing byte (idx << PAGE_SHIFT) of @reg.
- * @reg: a live registration.
+ * @reg: a registration whose chunk table is built.
  * @idx: page index inside the registration.
  *
- * Return: the page, or NULL when @idx is out of range.
+ * Return: the page, or NULL when @idx is out of range.  O(1): one table
+ * entry per 2 MiB chunk, however fragmented the memory is.
  */
 struct page *phx_reg_page(struct phx_reg *reg, unsigned long idx)
 {
-	unsigned int i;
+	if (idx >= reg->length >> PAGE_SHIFT)
+		return NULL;
+	return pfn_to_page(reg->chunk_pfn[idx / PHX_CHUNK_PAGES] +
+			   idx % PHX_CHUNK_PAGES);
+}
 
-	for (i = 0; i < reg->nr_ranges; i++) {
-		unsigned long n = range_len(&reg->ranges[i]) >> PAGE_SHIFT;
+static int phx_cmp_ulong(const void *a, const void *b)
+{
+	unsigned long x = *(const unsigned long *)a;
+	unsigned long y = *(const unsigned long *)b;
 
-		if (idx < n)
-			return pfn_to_page(PHYS_PFN(reg->ranges[i].start) + idx);
-		idx -= n;
+	return x < y ? -1 : x > y;
+}
+
+/*
+ * Build reg->chunk_pfn from the provider's ranges, checking what phx
+ * relies on: whole 2 MiB chunks, the registered length, no chunk twice.
+ */
+static int phx_reg_index(struct phx_reg *reg)
+{
+	unsigned long nr = reg->length >> PHX_CHUNK_SHIFT, n = 0, i, *sorted;
+	unsigned int r;
+	int ret = 0;
+
+	if (!reg->nr_ranges || !reg->ranges)
+		return -EINVAL;
+	reg->chunk_pfn = kvcalloc(nr, sizeof(*reg->chunk_pfn), GFP_KERNEL);
+	if (!reg->chunk_pfn)
+		return -ENOMEM;
+	for (r = 0; r < reg->nr_ranges; r++) {
+		const struct range *rg = &reg->ranges[r];
+		u64 a;
+
+		if (!IS_ALIGNED(rg->start, PHX_REG_ALIGN) ||
+		    !IS_ALIGNED(range_len(rg), PHX_REG_ALIGN))
+			return -EINVAL;
+		for (a = rg->start; a < rg->end; a += PHX_REG_ALIGN) {
+			if (n == nr)
+				return -EINVAL;
+			reg->chunk_pfn[n++] = PHYS_PFN(a);
+		}
 	}
-	return NULL;
+	if (n != nr)
+		return -EINVAL;
+	sorted = kvmalloc_array(nr, sizeof(*sorted), GFP_KERNEL);
+	if (!sorted)
+		return -ENOMEM;
+	memcpy(sorted, reg->chunk_pfn, nr * sizeof(*sorted));
+	sort(sorted, nr, sizeof(*sorted), phx_cmp_ulong, NULL);
+	for (i = 1; i < nr; i++)
+		if (sorted[i] == sorted[i - 1])
+			ret = -EINVAL;	/* the same memory twice */
+	kvfree(sorted);
+	return ret;
 }
 
 static void phx_reg_free(struct kref *kref)
 {
 	struct phx_reg *reg = container_of(kref, struct phx_reg, kref);
 
-	WARN_ON_ONCE(reg->live);
+	if (WARN_ON_ONCE(reg->live))
+		return;
 	if (reg->handle)
 		ida_free(&phx_ida, reg->handle);
 	pci_dev_put(reg->pdev);
-	kfree(reg->ranges);
+	kvfree(reg->chunk_pfn);
+	kvfree(reg->ranges);
 	kfree(reg);
 }
 
@@ -85,9 +232,12 @@ void phx_reg_put(struct phx_reg *reg)
 }
 
 /*
- * Wait until no one but the pagemap itself holds a page: I/O in flight
- * pinned pages through GUP before the PTEs were zapped.  Nothing can take
- * a new reference once the PTEs are gone and reg->live is false.
+ * Wait until no one but phx holds a page: I/O in flight pinned pages
+ * through GUP before the PTEs were zapped.  Nothing can take a new
+ * reference once the PTEs are gone and reg->live is false.  phx keeps
+ * every idle page at count 1 (phx_mem_create() takes that reference where
+ * the kernel leaves idle pages at 0), so "busy" is "count > 1" on every
+ * kernel.
  */
 static void phx_reg_wait_idle(struct phx_reg *reg)
 {
@@ -112,6 +262,8 @@ static void phx_reg_wait_idle(struct phx_reg *reg)
 		}
 		if (counted)
 			atomic64_dec(&phx_pages_busy);
+		if (idx % 4096 == 4095)
+			cond_resched();
 	}
 }
 
@@ -119,13 +271,15 @@ static void phx_reg_wait_idle(struct phx_reg *reg)
  * phx_reg_revoke - stop all user access to @reg now.
  * @reg: the registration.
  *
- * Clears @live under @lock and zaps every user PTE of the registration (a
- * fault or mmap that inserted one before is zapped here, none inserts one
- * after).  Later CPU access gets SIGBUS, later I/O -EFAULT.  Pages pinned
- * by I/O already in flight stay valid until phx_reg_finish() saw them go.
+ * Marks it revoked and clears @live under @lock, then zaps every user PTE
+ * of the registration.  PTEs are only ever inserted by the fault handler,
+ * under @lock and into VMAs that are in the file's mapping tree, so none
+ * survives the zap and none is inserted after.  Later CPU access gets
+ * SIGBUS, later I/O -EFAULT.  Pages pinned by I/O already in flight stay
+ * valid until the teardown saw them go.
  *
- * Return: true for the caller that revoked it, which must then queue
- * phx_reg_finish(); false if it was revoked already.
+ * Return: true for the caller that took a live registration down, which
+ * must then see to the teardown; false otherwise.
  */
 bool phx_reg_revoke(struct phx_reg *reg)
 {
@@ -133,6 +287,7 @@ bool phx_reg_revoke(struct phx_reg *reg)
 
 	mutex_lock(&reg->lock);
 	was_live = reg->live;
+	reg->revoked = true;
 	WRITE_ONCE(reg->live, false);
 	reg->status |= PHX_ST_REVOKED;
 	if (was_live && reg->mapping)
@@ -157,9 +312,11 @@ static bool phx_reg_quiet(struct phx_reg *reg)
 static void phx_reg_finish_now(struct phx_reg *reg)
 {
 	phx_reg_wait_idle(reg);
+	complete_all(&reg->quiesced);
 	phx_mem_destroy(reg);
 	if (reg->prov->release)
 		reg->prov->release(reg);
+	module_put(reg->prov->owner);
 	atomic64_dec(&phx_regs_live);
 	complete_all(&reg->done);
 }
@@ -187,6 +344,38 @@ void phx_reg_revoke_async(struct phx_reg *reg)
 	kref_get(&reg->kref);		/* put by phx_reg_finish() */
 	queue_work(phx_wq, &reg->finish_work);
 }
+
+/**
+ * phx_reg_provider_revoke - the provider's memory is being taken away.
+ * @reg: the registration (the provider holds it until its release).
+ *
+ * For a provider's free callback: revokes @reg (or joins a revocation
+ * already under way) and waits, at most revoke_wait_ms, until no DMA into
+ * the memory is in flight.  The pages themselves go later, on phx_wq.
+ * A registration that never went live had no user, so nothing is waited
+ * for.  May sleep.
+ *
+ * Return: true when no DMA is in flight any more, false after the time-out
+ * (logged: the memory may still be written).
+ */
+bool phx_reg_provider_revoke(struct phx_reg *reg)
+{
+	bool ever_live;
+
+	phx_reg_revoke_async(reg);
+	mutex_lock(&reg->lock);
+	ever_live = reg->ever_live;
+	mutex_unlock(&reg->lock);
+	if (!ever_live)
+		return true;
+	if (wait_for_completion_timeout(&reg->quiesced,
+					msecs_to_jiffies(phx_revoke_wait_ms)))
+		return true;
+	pr_err("handle %u: I/O still in flight %u ms after the memory was revoked by its owner; it may land in freed memory\n",
+	       reg->handle, phx_revoke_wait_ms);
+	return false;
+}
+EXPORT_SYMBOL(phx_reg_provider_revoke);
 
 /* ---------------------------------------------------------------------- */
 /* The per-open state                                                       */
@@ -237,10 +426,35 @@ static struct phx_reg *phx_file_find_off(struct phx_file *pf, u64 off)
 	return NULL;
 }
 
+/* Make @reg live unless it was revoked while its pages were created. */
+static int phx_reg_go_live(struct phx_reg *reg)
+{
+	int ret;
+
+	mutex_lock(&reg->lock);
+	if (reg->revoked) {
+		ret = -EFAULT;		/* the owner took the memory back */
+		goto out;
+	}
+	ret = phx_mem_create(reg);
+	if (ret)
+		goto out;
+	reg->live = true;
+	reg->ever_live = true;
+	atomic64_inc(&phx_regs_live);
+out:
+	mutex_unlock(&reg->lock);
+	return ret;
+}
+
 /**
  * phx_register - create a registration for @file from a validated @arg.
  * @file: the /dev/phx file that will own it.
  * @arg: in/out argument of PHX_IOC_REGISTER (already checked for form).
+ *
+ * The registration goes live under its lock, and only if no revocation
+ * (a provider's free callback, which may fire as soon as the provider
+ * handed out the memory) came first.
  *
  * Return: 0 with @arg's out fields filled, or -errno.
  */
@@ -250,22 +464,22 @@ int phx_register(struct file *file, struct phx_register *arg)
 	struct phx_reg *reg;
 	int ret;
 
-	if (arg->provider == PHX_PROV_PCIBAR)
-		prov = &phx_pcibar_provider;
-	else if (arg->provider == PHX_PROV_NVIDIA)
-		prov = &phx_nvidia_provider;
-	else
-		return -EINVAL;
-
+	prov = phx_provider_get(arg->provider);
+	if (!prov)
+		return -ENODEV;
 	reg = kzalloc(sizeof(*reg), GFP_KERNEL);
-	if (!reg)
+	if (!reg) {
+		module_put(prov->owner);
 		return -ENOMEM;
+	}
 	kref_init(&reg->kref);
 	INIT_LIST_HEAD(&reg->node);
 	mutex_init(&reg->lock);
+	init_completion(&reg->quiesced);
 	init_completion(&reg->done);
 	INIT_WORK(&reg->finish_work, phx_reg_finish);
 	reg->prov = prov;
+	reg->bar = -1;
 	reg->flags = arg->flags;
 	reg->length = arg->length;
 	reg->mapping = file->f_mapping;
@@ -276,16 +490,19 @@ int phx_register(struct file *file, struct phx_register *arg)
 	reg->handle = ret;
 	reg->mmap_off = (u64)reg->handle << PHX_MMAP_SHIFT;
 
-	ret = prov->acquire(reg, arg);
+	ret = prov->acquire(reg, arg, file);
 	if (ret)
 		goto err_free;
-	if (reg->pdev)
-		reg->status |= phx_mem_dev_status(reg->pdev);
-	ret = phx_mem_create(reg);
+	ret = phx_reg_index(reg);
 	if (ret)
 		goto err_release;
-	reg->live = true;
-	atomic64_inc(&phx_regs_live);
+	if (reg->pdev)
+		reg->status |= phx_mem_dev_status(reg->pdev);
+	else
+		reg->status |= phx_mem_module_status() | PHX_ST_UNKNOWN_DEV;
+	ret = phx_reg_go_live(reg);
+	if (ret)
+		goto err_release;
 
 	phx_file_add(file->private_data, reg);
 	arg->handle = reg->handle;
@@ -298,8 +515,9 @@ err_release:
 	if (prov->release)
 		prov->release(reg);
 err_free:
+	module_put(prov->owner);
 	phx_reg_put(reg);
-	return ret;
+	return phx_user_errno(ret);
 }
 
 int phx_unregister(struct file *file, u32 handle)
@@ -339,8 +557,10 @@ static void phx_vm_close(struct vm_area_struct *vma)
 }
 
 /*
- * PTEs are installed at mmap time; a fault means they were zapped: by
- * revocation (SIGBUS) or by madvise(MADV_DONTNEED) (reinstall).
+ * PTEs are inserted here and nowhere else: a fault runs on a VMA that is
+ * already in the file's mapping tree, so a revocation's zap always finds
+ * what was inserted before it (inserting inside ->mmap, before the VMA is
+ * linked, would let PTEs survive a revocation that ran in between).
  */
 static vm_fault_t phx_vm_fault(struct vm_fault *vmf)
 {
@@ -365,9 +585,22 @@ static vm_fault_t phx_vm_fault(struct vm_fault *vmf)
 	return ret;
 }
 
-static vm_fault_t phx_vm_fault_dead(struct vm_fault *vmf)
+/*
+ * Revocable memory only.  Having a ->page_mkwrite makes the kernel treat
+ * the mapping as needing write notification, and GUP then refuses
+ * FOLL_LONGTERM | FOLL_WRITE pins (io_uring fixed buffers, RDMA): such a
+ * pin would outlive the owner's revocation.  The first write to a page
+ * lands here; it is allowed while the registration is live.
+ */
+static vm_fault_t phx_vm_page_mkwrite(struct vm_fault *vmf)
 {
-	return VM_FAULT_SIGBUS;
+	struct phx_reg *reg = vmf->vma->vm_private_data;
+	struct folio *folio = page_folio(vmf->page);
+
+	if (!READ_ONCE(reg->live))
+		return VM_FAULT_SIGBUS;
+	folio_lock(folio);
+	return VM_FAULT_LOCKED;
 }
 
 static int phx_vm_mremap(struct vm_area_struct *vma)
@@ -382,63 +615,52 @@ static const struct vm_operations_struct phx_vm_ops = {
 	.mremap = phx_vm_mremap,
 };
 
-/* for a VMA whose mmap failed half way: nothing to release */
-static const struct vm_operations_struct phx_vm_dead_ops = {
-	.fault = phx_vm_fault_dead,
+static const struct vm_operations_struct phx_vm_revocable_ops = {
+	.open = phx_vm_open,
+	.close = phx_vm_close,
+	.fault = phx_vm_fault,
+	.page_mkwrite = phx_vm_page_mkwrite,
+	.mremap = phx_vm_mremap,
 };
 
 static int phx_mmap(struct file *file, struct vm_area_struct *vma)
 {
 	struct phx_file *pf = file->private_data;
 	u64 off = (u64)vma->vm_pgoff << PAGE_SHIFT;
-	unsigned long len = vma->vm_end - vma->vm_start, idx, addr;
+	unsigned long len = vma->vm_end - vma->vm_start;
 	struct phx_reg *reg;
-	int ret = 0;
+	bool live;
 
 	if (!(vma->vm_flags & VM_SHARED))
 		return -EINVAL;		/* a private (COW) mapping makes no sense */
 	reg = phx_file_find_off(pf, off);
 	if (!reg)
 		return -ENXIO;
-	idx = (off - reg->mmap_off) >> PAGE_SHIFT;
 	if (off - reg->mmap_off > reg->length ||
 	    len > reg->length - (off - reg->mmap_off)) {
-		ret = -EINVAL;
-		goto err_put;
+		phx_reg_put(reg);
+		return -EINVAL;
+	}
+	mutex_lock(&reg->lock);
+	live = reg->live;
+	mutex_unlock(&reg->lock);
+	if (!live) {
+		phx_reg_put(reg);
+		return -ENODEV;
 	}
 
 	/*
 	 * VM_DONTCOPY: fork() does not give the child the mapping.
 	 * VM_MIXEDMAP: pages are ZONE_DEVICE pages (GUP works, no VM_IO).
+	 * Write-combining: the memory is MMIO (a BAR), mapped the way the
+	 * GPU driver maps it for user space, never write-back.
 	 */
 	vm_flags_set(vma, VM_DONTCOPY | VM_DONTEXPAND | VM_DONTDUMP |
 		     VM_MIXEDMAP);
-	vma->vm_ops = &phx_vm_ops;
+	vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
+	vma->vm_ops = reg->prov->revocable ? &phx_vm_revocable_ops : &phx_vm_ops;
 	vma->vm_private_data = reg;	/* the reference found above */
-
-	mutex_lock(&reg->lock);
-	if (!reg->live) {
-		ret = -ENODEV;
-	} else {
-		for (addr = vma->vm_start; addr < vma->vm_end;
-		     addr += PAGE_SIZE, idx++) {
-			ret = vm_insert_page(vma, addr, phx_reg_page(reg, idx));
-			if (ret)
-				break;
-		}
-	}
-	mutex_unlock(&reg->lock);
-	if (ret) {
-		/* the core unmaps the VMA; make sure it does not see us */
-		vma->vm_ops = &phx_vm_dead_ops;
-		vma->vm_private_data = NULL;
-		goto err_put;
-	}
 	return 0;
-
-err_put:
-	phx_reg_put(reg);
-	return ret;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -509,20 +731,19 @@ static int __init phx_init(void)
 	phx_wq = alloc_workqueue("phx", WQ_UNBOUND, 0);
 	if (!phx_wq)
 		return -ENOMEM;
-	ret = phx_nvidia_init();
+	ret = phx_pci_init();
 	if (ret)
 		goto err_wq;
 	ret = misc_register(&phx_misc);
 	if (ret)
-		goto err_nvidia;
-	pr_info("ready: /dev/phx, ABI %d, kernel P2PDMA %s, NVIDIA p2p %s\n",
-		PHX_ABI_VERSION,
-		IS_ENABLED(CONFIG_PCI_P2PDMA) ? "yes" : "no (GENERIC pages)",
-		phx_nvidia_available() ? "found" : "not loaded");
+		goto err_pci;
+	pr_info("ready: /dev/phx, ABI %d, kernel P2PDMA %s\n", PHX_ABI_VERSION,
+		IS_ENABLED(CONFIG_PCI_P2PDMA) ? "yes (devices bound to phx)" :
+		"no (GENERIC pages)");
 	return 0;
 
-err_nvidia:
-	phx_nvidia_exit();
+err_pci:
+	phx_pci_exit();
 err_wq:
 	destroy_workqueue(phx_wq);
 	return ret;
@@ -532,7 +753,7 @@ static void __exit phx_exit(void)
 {
 	misc_deregister(&phx_misc);
 	destroy_workqueue(phx_wq);	/* waits for teardowns still running */
-	phx_nvidia_exit();
+	phx_pci_exit();
 	ida_destroy(&phx_ida);
 }
 

@@ -1,27 +1,33 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * Provider: the caller's own GPU memory through the NVIDIA
- * driver's documented peer-to-peer API (nv-p2p.h).
+ * phx_nv.ko - the NVIDIA provider of phx: the caller's own GPU memory
+ * through the NVIDIA driver's peer-to-peer API (nv-p2p.h).
  *
- * phx must load on machines without the NVIDIA driver, so it neither
- * includes nv-p2p.h nor links against the nvidia_p2p_* symbols: the API is
- * declared in phx_nv_p2p.h from its documentation and resolved at
- * registration time.  symbol_get() refuses non-GPL exports since Linux 6.6
- * and the NVIDIA exports are plain EXPORT_SYMBOL, so the addresses are
- * found through a kprobe lookup (register_kprobe() resolves any symbol,
- * module symbols included, and is unregistered at once).  A module
- * notifier forgets the addresses when the nvidia module goes away.
+ * A module of its own, so that phx.ko loads on machines without the
+ * NVIDIA driver: phx_nv.ko links against nvidia_p2p_get_pages(),
+ * nvidia_p2p_put_pages() and nvidia_p2p_free_page_table() like
+ * nvidia-peermem does (built with the driver's Module.symvers, it depends
+ * on the module exporting them), and registers itself with phx.ko.  No
+ * run-time symbol lookup: a kprobe lookup returns an address past the
+ * ENDBR on IBT kernels, where the indirect call faults.
  *
  * p2p_token 0 / va_space 0 ask the driver for the caller's own address
- * space: a process can only register GPU memory it owns.  When the memory
- * is freed under us, the driver calls phx_nv_free_cb(): the user PTEs are
- * zapped at once (later access: SIGBUS; later I/O: -EFAULT) and the pages
- * are removed once in-flight I/O has drained.
+ * space: a process can only register GPU memory it owns.
+ *
+ * The free callback.  The driver calls phx_nv_free_cb() when the memory
+ * goes away under a registration (cudaFree, process exit) and frees or
+ * reuses the memory as soon as it returns.  So the callback revokes the
+ * registration (user PTEs zapped: later access SIGBUS, later I/O -EFAULT)
+ * and waits, bounded, until no DMA into the memory is in flight; it frees
+ * the page table, and never calls put_pages.  The callback may come at any
+ * time after get_pages registered it, even before get_pages returned or
+ * while phx is still setting the registration up: a small state machine
+ * under ctx->lock decides who frees the page table, and phx's core makes
+ * a registration live only if it was not revoked first.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/completion.h>
-#include <linux/kprobes.h>
 #include <linux/module.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
@@ -30,109 +36,58 @@
 #include "phx.h"
 #include "phx_nv_p2p.h"
 
-/* ---- resolution ---- */
-
-struct phx_nv_api {
-	nvidia_p2p_get_pages_fn get_pages;
-	nvidia_p2p_put_pages_fn put_pages;
-	nvidia_p2p_free_page_table_fn free_page_table;
+/**
+ * enum phx_nv_state - who owns the page table of a &struct phx_nv_ctx.
+ * @PHX_NV_ACQUIRING: get_pages runs or phx reads the table.
+ * @PHX_NV_ACTIVE: registered; the callback or phx_nv_release() ends it.
+ * @PHX_NV_FREED_EARLY: the callback came while acquiring; the acquiring
+ *	side frees the table and fails the registration.
+ * @PHX_NV_FREED: the callback took it (it frees the table).
+ * @PHX_NV_RELEASED: phx_nv_release() took it (put_pages frees the table).
+ */
+enum phx_nv_state {
+	PHX_NV_ACQUIRING,
+	PHX_NV_ACTIVE,
+	PHX_NV_FREED_EARLY,
+	PHX_NV_FREED,
+	PHX_NV_RELEASED,
 };
 
-static DEFINE_MUTEX(phx_nv_lock);
-static struct phx_nv_api phx_nv;
-
-static void *phx_nv_lookup(const char *name)
-{
-#ifdef CONFIG_KPROBES
-	struct kprobe kp = { .symbol_name = name };
-	void *addr;
-
-	if (register_kprobe(&kp))
-		return NULL;
-	addr = kp.addr;
-	unregister_kprobe(&kp);
-	return addr;
-#else
-	return NULL;
-#endif
-}
-
-/* Fill phx_nv if the driver is there; called with phx_nv_lock held. */
-static bool phx_nv_resolve(void)
-{
-	if (phx_nv.get_pages)
-		return true;
-	phx_nv.get_pages = phx_nv_lookup("nvidia_p2p_get_pages");
-	phx_nv.put_pages = phx_nv_lookup("nvidia_p2p_put_pages");
-	phx_nv.free_page_table = phx_nv_lookup("nvidia_p2p_free_page_table");
-	if (phx_nv.get_pages && phx_nv.put_pages && phx_nv.free_page_table)
-		return true;
-	memset(&phx_nv, 0, sizeof(phx_nv));
-	return false;
-}
-
-bool phx_nvidia_available(void)
-{
-	bool ok;
-
-	mutex_lock(&phx_nv_lock);
-	ok = phx_nv_resolve();
-	mutex_unlock(&phx_nv_lock);
-	return ok;
-}
-
-static int phx_nv_module_event(struct notifier_block *nb, unsigned long ev,
-			       void *data)
-{
-	struct module *mod = data;
-
-	if (ev == MODULE_STATE_GOING && !strcmp(mod->name, "nvidia")) {
-		mutex_lock(&phx_nv_lock);
-		memset(&phx_nv, 0, sizeof(phx_nv));
-		mutex_unlock(&phx_nv_lock);
-	}
-	return NOTIFY_DONE;
-}
-
-static struct notifier_block phx_nv_nb = {
-	.notifier_call = phx_nv_module_event,
-};
-
-int phx_nvidia_init(void)
-{
-	return register_module_notifier(&phx_nv_nb);
-}
-
-void phx_nvidia_exit(void)
-{
-	unregister_module_notifier(&phx_nv_nb);
-}
-
-/* ---- the provider ---- */
-
-enum { PHX_NV_ACTIVE, PHX_NV_RELEASED, PHX_NV_FREED };
-
+/**
+ * struct phx_nv_ctx - one registration's NVIDIA state.
+ * @reg: the registration.
+ * @pt: the driver's page table.
+ * @va: the GPU virtual address registered.
+ * @lock: protects @state.
+ * @state: see &enum phx_nv_state.
+ * @cb_done: completed when a callback that took the table is done with it.
+ */
 struct phx_nv_ctx {
 	struct phx_reg *reg;
-	struct phx_nv_api api;		/* what get_pages was called through */
 	struct nvidia_p2p_page_table *pt;
 	u64 va;
-	atomic_t state;
+	struct mutex lock;		/* protects state */
+	enum phx_nv_state state;
 	struct completion cb_done;
 };
 
-/* The driver frees the GPU memory under us: revoke. */
 static void phx_nv_free_cb(void *data)
 {
 	struct phx_nv_ctx *ctx = data;
-	struct phx_reg *reg = ctx->reg;
+	enum phx_nv_state was;
 
-	if (atomic_cmpxchg(&ctx->state, PHX_NV_ACTIVE, PHX_NV_FREED) !=
-	    PHX_NV_ACTIVE)
-		return;
-	/* stop user access now; pages go once in-flight I/O has drained */
-	phx_reg_revoke_async(reg);
-	ctx->api.free_page_table(ctx->pt);
+	mutex_lock(&ctx->lock);
+	was = ctx->state;
+	if (was == PHX_NV_ACQUIRING)
+		ctx->state = PHX_NV_FREED_EARLY;
+	else if (was == PHX_NV_ACTIVE)
+		ctx->state = PHX_NV_FREED;
+	mutex_unlock(&ctx->lock);
+	if (was != PHX_NV_ACTIVE)
+		return;		/* early: the acquirer cleans up; released: nothing */
+	/* no user access from now on, and no DMA in flight when we return */
+	phx_reg_provider_revoke(ctx->reg);
+	nvidia_p2p_free_page_table(ctx->pt);
 	complete(&ctx->cb_done);
 }
 
@@ -150,15 +105,24 @@ static u64 phx_nv_page_bytes(u32 type)
 	}
 }
 
-/* Merge the GPU pages into physically contiguous, 2 MiB aligned runs. */
+/*
+ * Merge the GPU pages into physically contiguous runs; the core checks
+ * that they are whole 2 MiB chunks.  kvcalloc: a 16 GiB registration of
+ * 64 KiB pages has 256 Ki entries, more than kmalloc gives.
+ */
 static int phx_nv_ranges(struct phx_reg *reg, struct nvidia_p2p_page_table *pt)
 {
 	u64 psz = phx_nv_page_bytes(pt->page_size);
 	unsigned int i, n = 0;
 
+	if (!phx_nv_pt_compatible(pt)) {
+		pr_info_ratelimited("page table version %#x, phx was built for %#x\n",
+				    pt->version, NVIDIA_P2P_PAGE_TABLE_VERSION);
+		return -EPROTO;
+	}
 	if (!psz || (u64)pt->entries * psz != reg->length)
 		return -EINVAL;
-	reg->ranges = kcalloc(pt->entries, sizeof(*reg->ranges), GFP_KERNEL);
+	reg->ranges = kvcalloc(pt->entries, sizeof(*reg->ranges), GFP_KERNEL);
 	if (!reg->ranges)
 		return -ENOMEM;
 	for (i = 0; i < pt->entries; i++) {
@@ -172,21 +136,21 @@ static int phx_nv_ranges(struct phx_reg *reg, struct nvidia_p2p_page_table *pt)
 		reg->ranges[n].end = pa + psz - 1;
 		n++;
 	}
-	for (i = 0; i < n; i++)
-		if (!IS_ALIGNED(reg->ranges[i].start, PHX_REG_ALIGN) ||
-		    !IS_ALIGNED(range_len(&reg->ranges[i]), PHX_REG_ALIGN))
-			return -EINVAL;
 	reg->nr_ranges = n;
 	return 0;
 }
 
-/* The GPU whose BAR holds @pa, with a reference; its BAR index in *bar. */
-static struct pci_dev *phx_nv_find_gpu(u64 pa, int *bar)
+/*
+ * The PCI device whose BAR holds @pa, with a reference; its BAR index in
+ * *bar.  Any vendor: the stub provider of the tests lends another
+ * device's BAR.
+ */
+static struct pci_dev *phx_nv_find_dev(u64 pa, int *bar)
 {
 	struct pci_dev *pdev = NULL;
 	int i;
 
-	while ((pdev = pci_get_device(PCI_VENDOR_ID_NVIDIA, PCI_ANY_ID, pdev))) {
+	while ((pdev = pci_get_device(PCI_ANY_ID, PCI_ANY_ID, pdev))) {
 		for (i = 0; i <= PCI_STD_RESOURCE_END; i++) {
 			struct resource *r = pci_resource_n(pdev, i);
 
@@ -200,75 +164,103 @@ static struct pci_dev *phx_nv_find_gpu(u64 pa, int *bar)
 	return NULL;
 }
 
-static void phx_nv_release(struct phx_reg *reg);
+static void phx_nv_put(struct phx_nv_ctx *ctx)
+{
+	int ret = nvidia_p2p_put_pages(0, 0, ctx->va, ctx->pt);
 
-static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg)
+	if (ret)
+		pr_info_ratelimited("nvidia_p2p_put_pages: %d\n", ret);
+}
+
+static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
+			  struct file *file)
 {
 	struct phx_nv_ctx *ctx;
 	int ret;
 
-	reg->bar = -1;
 	ctx = kzalloc(sizeof(*ctx), GFP_KERNEL);
 	if (!ctx)
 		return -ENOMEM;
 	ctx->reg = reg;
 	ctx->va = arg->gpu_va;
+	mutex_init(&ctx->lock);
 	init_completion(&ctx->cb_done);
+	ctx->state = PHX_NV_ACQUIRING;
 
-	mutex_lock(&phx_nv_lock);
-	if (!phx_nv_resolve()) {
-		mutex_unlock(&phx_nv_lock);
-		kfree(ctx);
-		return -ENODEV;
-	}
-	ctx->api = phx_nv;
-	/*
-	 * The driver cannot go away while this call runs: the caller holds
-	 * its GPU context (an open /dev/nvidia* file) to own the memory.
-	 */
-	mutex_unlock(&phx_nv_lock);
-
-	atomic_set(&ctx->state, PHX_NV_ACTIVE);
-	ret = ctx->api.get_pages(0, 0, arg->gpu_va, arg->length, &ctx->pt,
-				 phx_nv_free_cb, ctx);
+	/* not under ctx->lock: the driver may call back from inside */
+	ret = nvidia_p2p_get_pages(0, 0, arg->gpu_va, arg->length, &ctx->pt,
+				   phx_nv_free_cb, ctx);
 	if (ret) {
 		kfree(ctx);
 		return ret < 0 ? ret : -EINVAL;
 	}
-	reg->prov_data = ctx;
-	if (NVIDIA_P2P_VERSION_MAJOR(ctx->pt->version) !=
-	    NVIDIA_P2P_VERSION_MAJOR(NVIDIA_P2P_PAGE_TABLE_VERSION)) {
-		ret = -EPROTO;
-		goto err_put;
-	}
-	ret = phx_nv_ranges(reg, ctx->pt);
-	if (ret)
-		goto err_put;
-	reg->pdev = phx_nv_find_gpu(reg->ranges[0].start, &reg->bar);
-	return 0;
 
-err_put:
-	phx_nv_release(reg);
-	return ret;
+	mutex_lock(&ctx->lock);
+	if (ctx->state == PHX_NV_FREED_EARLY) {
+		mutex_unlock(&ctx->lock);
+		nvidia_p2p_free_page_table(ctx->pt);
+		kfree(ctx);
+		return -EFAULT;		/* freed before it could be used */
+	}
+	/* a callback from now on waits for the lock, then revokes */
+	ret = phx_nv_ranges(reg, ctx->pt);
+	if (!ret && reg->nr_ranges)
+		reg->pdev = phx_nv_find_dev(reg->ranges[0].start, &reg->bar);
+	ctx->state = ret ? PHX_NV_RELEASED : PHX_NV_ACTIVE;
+	mutex_unlock(&ctx->lock);
+	if (ret) {
+		phx_nv_put(ctx);
+		kfree(ctx);
+		return ret;
+	}
+	reg->prov_data = ctx;
+	return 0;
 }
 
 static void phx_nv_release(struct phx_reg *reg)
 {
 	struct phx_nv_ctx *ctx = reg->prov_data;
+	bool put;
 
 	if (!ctx)
 		return;
-	if (atomic_cmpxchg(&ctx->state, PHX_NV_ACTIVE, PHX_NV_RELEASED) ==
-	    PHX_NV_ACTIVE)
-		ctx->api.put_pages(0, 0, ctx->va, ctx->pt);
+	mutex_lock(&ctx->lock);
+	put = ctx->state == PHX_NV_ACTIVE;
+	if (put)
+		ctx->state = PHX_NV_RELEASED;
+	mutex_unlock(&ctx->lock);
+	if (put)
+		phx_nv_put(ctx);	/* the driver frees the table */
 	else
 		wait_for_completion(&ctx->cb_done);
 	reg->prov_data = NULL;
 	kfree(ctx);
 }
 
-const struct phx_provider phx_nvidia_provider = {
+static const struct phx_provider phx_nvidia_provider = {
 	.name = "nvidia",
+	.owner = THIS_MODULE,
+	.revocable = true,
 	.acquire = phx_nv_acquire,
 	.release = phx_nv_release,
 };
+
+static int __init phx_nv_init(void)
+{
+	int ret = phx_provider_register(PHX_PROV_NVIDIA, &phx_nvidia_provider);
+
+	if (!ret)
+		pr_info("NVIDIA provider registered with phx\n");
+	return ret;
+}
+
+static void __exit phx_nv_exit(void)
+{
+	phx_provider_unregister(PHX_PROV_NVIDIA);
+}
+
+module_init(phx_nv_init);
+module_exit(phx_nv_exit);
+
+MODULE_DESCRIPTION("phx: GPU memory through the NVIDIA peer-to-peer API");
+MODULE_LICENSE("GPL");

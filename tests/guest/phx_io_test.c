@@ -20,6 +20,16 @@
  *   phx_io_test fork BDF BAR REGOFF REGLEN    the child has no mapping
  *   phx_io_test fixedbuf BDF BAR REGOFF REGLEN DIR  io_uring fixed buffer, exit
  *   phx_io_test info                          print PHX_IOC_INFO
+ *
+ * BDF may be "nv:VA": the NVIDIA provider (phx_nv.ko over nv_p2p_stub.ko)
+ * at GPU VA + REGOFF instead of a BAR.  NVIDIA-only commands:
+ *   phx_io_test nvcb nv:VA REGOFF REGLEN DIR ROUNDS  free callback under I/O
+ *   phx_io_test nvreg nv:VA N                 callback racing registration
+ *   phx_io_test nvreuse nv:VA REGOFF REGLEN DIR  freed memory registered again
+ *   phx_io_test nvsparse VA LEN DIR            > 16 GiB sparse registration
+ *   phx_io_test nvfail nv:VA DIR               driver errors, odd page tables
+ *   phx_io_test nvfixedbuf nv:VA REGOFF REGLEN  long-term pin refused
+ *   phx_io_test race nv:VA KIND N SEED         two racing actors, N times
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -29,12 +39,16 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -102,10 +116,21 @@ static int first_diff(const uint8_t *a, const uint8_t *b, size_t len)
 
 /* ---- /dev/phx ---- */
 
-struct bdf { unsigned int dom, bus, dev, fn; };
+/*
+ * Where a test's registration comes from: a PCI BAR ("DDDD:BB:DD.F") or,
+ * with "nv:VA", the NVIDIA provider at GPU VA + offset (the stub maps its
+ * VA base onto the ivshmem BAR, so offsets mean the same in both).
+ */
+struct bdf { unsigned int dom, bus, dev, fn; int nv; uint64_t nv_va; };
 
 static int parse_bdf(const char *s, struct bdf *b)
 {
+	memset(b, 0, sizeof(*b));
+	if (!strncmp(s, "nv:", 3)) {
+		b->nv = 1;
+		b->nv_va = strtoull(s + 3, NULL, 0);
+		return 0;
+	}
 	return sscanf(s, "%x:%x:%x.%x", &b->dom, &b->bus, &b->dev, &b->fn) == 4
 		? 0 : -1;
 }
@@ -127,6 +152,12 @@ static void reg_init(struct phx_register *r, const struct bdf *b, int bar,
 {
 	memset(r, 0, sizeof(*r));
 	r->abi_version = PHX_ABI_VERSION;
+	r->length = len;
+	if (b->nv) {
+		r->provider = PHX_PROV_NVIDIA;
+		r->gpu_va = b->nv_va + off;
+		return;
+	}
 	r->provider = PHX_PROV_PCIBAR;
 	r->pci_domain = b->dom;
 	r->pci_bus = b->bus;
@@ -459,6 +490,21 @@ static int cmd_host(const char *file, uint64_t off, uint64_t len, uint64_t seed,
 
 /* ---- argument validation ---- */
 
+/* Drop CAP_SYS_ADMIN from every set of this process (uid stays 0). */
+static int drop_cap_sys_admin(void)
+{
+	struct __user_cap_header_struct h = { _LINUX_CAPABILITY_VERSION_3, 0 };
+	struct __user_cap_data_struct d[2];
+
+	if (prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) ||
+	    syscall(SYS_capget, &h, d))
+		return -1;
+	d[CAP_SYS_ADMIN / 32].effective &= ~(1U << (CAP_SYS_ADMIN % 32));
+	d[CAP_SYS_ADMIN / 32].permitted &= ~(1U << (CAP_SYS_ADMIN % 32));
+	d[CAP_SYS_ADMIN / 32].inheritable &= ~(1U << (CAP_SYS_ADMIN % 32));
+	return syscall(SYS_capset, &h, d) ? -1 : 0;
+}
+
 static void expect_errno(const char *what, int ret, int want)
 {
 	if (ret == -1 && errno == want)
@@ -590,17 +636,36 @@ static int cmd_validate(const struct bdf *b, int bar)
 			munmap(p, 1 << 20);
 	}
 
-	/* non-root (no CAP_SYS_ADMIN) cannot register a PCI BAR */
+	/*
+	 * The PCI BAR provider checks CAP_SYS_ADMIN of the opener of the fd:
+	 * a process that opened /dev/phx without it is refused, and an fd
+	 * opened with it keeps working after its holder dropped privileges.
+	 */
+	pid = fork();
+	if (pid == 0) {
+		int fd2;
+
+		if (drop_cap_sys_admin())
+			_exit(2);
+		fd2 = phx_open();
+		reg_init(&r, b, bar, 8 << 20, 2 << 20);
+		_exit(ioctl(fd2, PHX_IOC_REGISTER, &r) == -1 && errno == EPERM ? 0 : 1);
+	}
+	waitpid(pid, &status, 0);
+	if (!WIFEXITED(status) || WEXITSTATUS(status))
+		FAIL("validate: PCI BAR registration on an fd opened without CAP_SYS_ADMIN not refused (%d)",
+		     WIFEXITED(status) ? WEXITSTATUS(status) : -1);
 	pid = fork();
 	if (pid == 0) {
 		reg_init(&r, b, bar, 8 << 20, 2 << 20);
 		if (setgid(65534) || setuid(65534))
 			_exit(2);
-		_exit(ioctl(fd, PHX_IOC_REGISTER, &r) == -1 && errno == EPERM ? 0 : 1);
+		_exit(ioctl(fd, PHX_IOC_REGISTER, &r) == 0 ? 0 : 1);
 	}
 	waitpid(pid, &status, 0);
 	if (!WIFEXITED(status) || WEXITSTATUS(status))
-		FAIL("validate: unprivileged PCI BAR registration not refused");
+		FAIL("validate: an fd opened by root refused a registration after setuid(65534) "
+		     "(the opener's rights must count)");
 
 	if (stat(PHX_DEVICE_PATH, &st) || (st.st_mode & 0777) != 0660)
 		FAIL("validate: %s mode %o, want 0660", PHX_DEVICE_PATH,
@@ -1376,6 +1441,535 @@ static int cmd_fixedbuf(const struct bdf *b, int bar, uint64_t regoff,
 	return 0;
 }
 
+/* ---- the NVIDIA provider against nv_p2p_stub.ko ---- */
+
+#define STUB_DIR "/sys/kernel/debug/nv_p2p_stub/"
+
+static int stub_write(const char *knob, const char *fmt, ...)
+{
+	char path[256], buf[128];
+	va_list ap;
+	int fd, n, ret = 0;
+
+	va_start(ap, fmt);
+	n = vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	snprintf(path, sizeof(path), STUB_DIR "%s", knob);
+	fd = open(path, O_WRONLY);
+	if (fd < 0 || write(fd, buf, n) != n)
+		ret = -errno;
+	if (fd >= 0)
+		close(fd);
+	if (ret)
+		FAIL("stub %s <- %s: %s", knob, buf, strerror(-ret));
+	return ret;
+}
+
+struct stub_stats { long tables, gets, puts, fired, client_bugs, poison_bad; };
+
+static int stub_stats(struct stub_stats *st)
+{
+	FILE *f = fopen(STUB_DIR "stats", "r");
+	int n;
+
+	memset(st, 0, sizeof(*st));
+	if (!f)
+		return -1;
+	n = fscanf(f, "tables %ld gets %ld puts %ld fired %ld client_bugs %ld poison_bad %ld",
+		   &st->tables, &st->gets, &st->puts, &st->fired, &st->client_bugs,
+		   &st->poison_bad);
+	fclose(f);
+	return n == 6 ? 0 : -1;
+}
+
+/* Wait (5 s at most) until phx has no registration and the stub no table. */
+static int nv_settled(const char *name)
+{
+	struct stub_stats st;
+	struct phx_info info;
+	int fd = phx_open(), i;
+
+	for (i = 0; i < 500; i++) {
+		if (!phx_info(fd, &info) && !info.nr_regs && !stub_stats(&st) &&
+		    !st.tables)
+			break;
+		usleep(10000);
+	}
+	close(fd);
+	stub_stats(&st);
+	if (info.nr_regs || st.tables) {
+		FAIL("%s: left behind: %llu registrations, %ld stub page tables", name,
+		     (unsigned long long)info.nr_regs, st.tables);
+		return -1;
+	}
+	if (st.client_bugs) {
+		FAIL("%s: the stub saw %ld API misuses (see dmesg)", name, st.client_bugs);
+		return -1;
+	}
+	if (st.poison_bad) {
+		FAIL("%s: %ld bytes of memory were written after its free callback returned",
+		     name, st.poison_bad);
+		return -1;
+	}
+	return 0;
+}
+
+static int nv_register(int fd, uint64_t va, uint64_t len, struct phx_register *r)
+{
+	memset(r, 0, sizeof(*r));
+	r->abi_version = PHX_ABI_VERSION;
+	r->provider = PHX_PROV_NVIDIA;
+	r->gpu_va = va;
+	r->length = len;
+	return ioctl(fd, PHX_IOC_REGISTER, r) ? -errno : 0;
+}
+
+/*
+ * The free callback during I/O: threads O_DIRECT-read a file into the
+ * mapping (DMA into "GPU memory") while the stub frees the memory.  Reads
+ * complete or fail with EFAULT, never otherwise; reads that start after
+ * the callback returned fail; the CPU gets SIGBUS; and the stub, which
+ * poisons the memory when the callback returns, finds no byte written
+ * after that.
+ */
+static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
+		    const char *dir, int rounds)
+{
+	char path[512];
+	int round;
+
+	snprintf(path, sizeof(path), "%s/phx-nvcb.dat", dir);
+	make_file(path, reglen, 13);
+	for (round = 0; round < rounds; round++) {
+		struct phx_register reg;
+		struct busy bz = { 0 };
+		pthread_t t[3];
+		int fd = phx_open(), i, sig;
+		uint8_t *map = phx_map(fd, b, 0, regoff, reglen, &reg);
+
+		bz.dfd = open(path, O_RDONLY | O_DIRECT);
+		bz.map = map;
+		bz.len = reglen;
+		for (i = 0; i < 3; i++)
+			pthread_create(&t[i], NULL, busy_thread, &bz);
+		for (i = 0; i < 60000 && atomic_load(&bz.done) < 2; i++)
+			usleep(1000);
+		usleep(1000 * (round % 7));
+		stub_write("free_now", "%#llx", (unsigned long long)reg.gpu_va);
+		atomic_store(&bz.revoked, 1);
+		usleep(100000);
+		atomic_store(&bz.stop, 1);
+		for (i = 0; i < 3; i++)
+			pthread_join(t[i], NULL);
+		signal(SIGBUS, on_fault);
+		signal(SIGSEGV, on_fault);
+		sig = touch(map + 8192);
+		if (round == 0)
+			printf("nvcb: %ld reads done, after the callback: %ld EFAULT, %ld ok, %ld other; touch -> %d\n",
+			       atomic_load(&bz.done), atomic_load(&bz.after_efault),
+			       atomic_load(&bz.after_ok), atomic_load(&bz.after_other), sig);
+		if (atomic_load(&bz.done) < 2)
+			FAIL("nvcb: no O_DIRECT read into the mapping worked before the callback");
+		if (atomic_load(&bz.after_ok) || atomic_load(&bz.after_other))
+			FAIL("nvcb: %ld reads started after the callback succeeded, %ld failed otherwise",
+			     atomic_load(&bz.after_ok), atomic_load(&bz.after_other));
+		if (sig != SIGBUS)
+			FAIL("nvcb: access after the callback gave signal %d, want SIGBUS", sig);
+		if (phx_unreg(fd, reg.handle))
+			FAIL("nvcb: unregister after the callback");
+		munmap(map, reglen);
+		close(fd);
+		close(bz.dfd);
+		if (nv_settled("nvcb") || failures)
+			break;
+	}
+	unlink(path);
+	if (!failures)
+		PASS("nvcb (%d rounds: free callback under O_DIRECT reads; later I/O EFAULT, access SIGBUS, nothing written after it returned)",
+		     rounds);
+	return failures ? 1 : 0;
+}
+
+/* The free callback while phx sets the registration up. */
+static int cmd_nvreg(const struct bdf *b, int n)
+{
+	long ok = 0, efault = 0, revoked = 0;
+	int i;
+
+	signal(SIGBUS, on_fault);
+	signal(SIGSEGV, on_fault);
+	for (i = 0; i < n; i++) {
+		struct phx_register reg;
+		int fd = phx_open(), ret;
+
+		stub_write("free_during_reg", "1 %d", (i * 37) % 2000);
+		ret = nv_register(fd, b->nv_va, 4 << 20, &reg);
+		if (ret == -EFAULT) {
+			efault++;
+		} else if (ret) {
+			FAIL("nvreg: register: %s (want success or EFAULT)", strerror(-ret));
+		} else {
+			uint8_t *p = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE,
+					  MAP_SHARED, fd, (off_t)reg.mmap_offset);
+
+			if (p == MAP_FAILED) {
+				if (errno != ENODEV)
+					FAIL("nvreg: mmap: %s", strerror(errno));
+				revoked++;
+			} else {
+				int sig = touch(p + (i % 1024) * 4096);
+
+				if (sig && sig != SIGBUS)
+					FAIL("nvreg: touch gave signal %d", sig);
+				revoked += sig == SIGBUS;
+				ok += !sig;
+				munmap(p, 4 << 20);
+			}
+			phx_unreg(fd, reg.handle);
+		}
+		close(fd);
+		if (failures)
+			break;
+	}
+	stub_write("free_during_reg", "0 0");
+	printf("nvreg: %d registrations with a racing callback: %ld failed EFAULT, %ld revoked after, %ld used before it fired\n",
+	       i, efault, revoked, ok);
+	if (!nv_settled("nvreg") && !failures)
+		PASS("nvreg (%d callbacks racing registration, none left behind)", n);
+	return failures ? 1 : 0;
+}
+
+/* Memory freed under a registration, then handed out again. */
+static int cmd_nvreuse(const struct bdf *b, uint64_t regoff, uint64_t reglen,
+		       const char *dir)
+{
+	struct phx_register r1, r2;
+	uint8_t *m1, *m2, *exp = xalloc(reglen);
+	char path[512];
+	int fd = phx_open(), dfd, sig, tries = 0, ret;
+
+	m1 = phx_map(fd, b, 0, regoff, reglen, &r1);
+	memset(m1, 0x11, reglen);
+	stub_write("free_now", "%#llx", (unsigned long long)r1.gpu_va);
+	signal(SIGBUS, on_fault);
+	signal(SIGSEGV, on_fault);
+	sig = touch(m1);
+	if (sig != SIGBUS)
+		FAIL("nvreuse: the freed registration's mapping gave signal %d, want SIGBUS", sig);
+	/* the same memory, registered again (EBUSY while the old pages go) */
+	while ((ret = nv_register(fd, r1.gpu_va, reglen, &r2)) == -EBUSY && tries++ < 500)
+		usleep(10000);
+	if (ret) {
+		FAIL("nvreuse: registering the reused memory: %s", strerror(-ret));
+		return 1;
+	}
+	m2 = mmap(NULL, reglen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)r2.mmap_offset);
+	if (m2 == MAP_FAILED) {
+		FAIL("nvreuse: mmap: %s", strerror(errno));
+		return 1;
+	}
+	snprintf(path, sizeof(path), "%s/phx-nvreuse.dat", dir);
+	make_file(path, reglen, 21);
+	drop_caches();
+	dfd = open(path, O_RDONLY | O_DIRECT);
+	if (dfd < 0 || pread(dfd, m2, reglen, 0) != (ssize_t)reglen)
+		FAIL("nvreuse: O_DIRECT read into the new registration: %s", strerror(errno));
+	seeded(exp, reglen, 21, 0);
+	if (first_diff(m2, exp, reglen) >= 0)
+		FAIL("nvreuse: bytes differ in the new registration");
+	if (touch(m1) != SIGBUS)
+		FAIL("nvreuse: the old mapping came back");
+	munmap(m1, reglen);
+	munmap(m2, reglen);
+	close(dfd);
+	unlink(path);
+	phx_unreg(fd, r2.handle);
+	phx_unreg(fd, r1.handle);
+	close(fd);
+	if (!nv_settled("nvreuse") && !failures)
+		PASS("nvreuse (freed memory registered again: old mapping SIGBUS, new one byte-checked)");
+	return failures ? 1 : 0;
+}
+
+/*
+ * A registration larger than 16 GiB (256 Ki page-table entries: the
+ * kcalloc limit), sparse: only its first 2 MiB are BAR memory; O_DIRECT
+ * into and out of that part is byte-checked.
+ */
+static int cmd_nvsparse(uint64_t va, uint64_t len, const char *dir)
+{
+	struct phx_register r;
+	uint8_t *m, *exp = xalloc(2 << 20), *file;
+	char path[512];
+	int fd = phx_open(), dfd, ret;
+
+	ret = nv_register(fd, va, len, &r);
+	if (ret) {
+		FAIL("nvsparse: register %llu GiB: %s", (unsigned long long)(len >> 30),
+		     strerror(-ret));
+		return 1;
+	}
+	m = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)r.mmap_offset);
+	if (m == MAP_FAILED) {
+		FAIL("nvsparse: mmap: %s", strerror(errno));
+		return 1;
+	}
+	snprintf(path, sizeof(path), "%s/phx-nvsparse.dat", dir);
+	make_file(path, 2 << 20, 5);
+	drop_caches();
+	dfd = open(path, O_RDWR | O_DIRECT);
+	if (dfd < 0 || pread(dfd, m, 2 << 20, 0) != 2 << 20)
+		FAIL("nvsparse: O_DIRECT read: %s", strerror(errno));
+	seeded(exp, 2 << 20, 5, 0);
+	if (first_diff(m, exp, 2 << 20) >= 0)
+		FAIL("nvsparse: read bytes differ");
+	seeded(m, 2 << 20, 55, 0);
+	if (pwrite(dfd, m, 2 << 20, 0) != 2 << 20)
+		FAIL("nvsparse: O_DIRECT write: %s", strerror(errno));
+	drop_caches();
+	file = slurp(path, 0, 2 << 20);
+	seeded(exp, 2 << 20, 55, 0);
+	if (first_diff(file, exp, 2 << 20) >= 0)
+		FAIL("nvsparse: written bytes differ");
+	munmap(m, 2 << 20);
+	close(dfd);
+	unlink(path);
+	if (phx_unreg(fd, r.handle))
+		FAIL("nvsparse: unregister");
+	close(fd);
+	if (!nv_settled("nvsparse") && !failures)
+		PASS("nvsparse (%llu GiB registration, %llu page-table entries, I/O byte-checked)",
+		     (unsigned long long)(len >> 30), (unsigned long long)(len >> 16));
+	return failures ? 1 : 0;
+}
+
+/* Driver errors and odd page tables end cleanly with the right errno. */
+static int cmd_nvfail(const struct bdf *b, const char *dir)
+{
+	struct phx_register r;
+	int fd = phx_open(), ret;
+
+#define NVEXPECT(what, want) do { ret = nv_register(fd, b->nv_va, 4 << 20, &r); \
+	if (ret != (want)) FAIL("nvfail %s: got %s, want %s", what, strerror(-ret), \
+				strerror(-(want))); \
+	else if (!ret) phx_unreg(fd, r.handle); } while (0)
+	stub_write("fail_get", "524 1");	/* the driver's -ENOTSUPP */
+	NVEXPECT("ENOTSUPP from get_pages", -EOPNOTSUPP);
+	stub_write("fail_get", "5 1");
+	NVEXPECT("EIO from get_pages", -EIO);
+	stub_write("pt_version", "0x00020002");
+	NVEXPECT("page table major 2", -EPROTO);
+	stub_write("pt_version", "0x00010001");
+	NVEXPECT("page table minor 1 (older than built for)", -EPROTO);
+	stub_write("pt_version", "0x00010007");
+	NVEXPECT("page table minor 7 (newer)", 0);
+	stub_write("pt_version", "0x00010002");
+	stub_write("fragment", "2");
+	NVEXPECT("64 KiB fragments", -EINVAL);
+	stub_write("fragment", "0");
+	stub_write("fail_put", "5 1");
+	NVEXPECT("put_pages failing", 0);
+	ret = nv_register(fd, b->nv_va + 3, 4 << 20, &r);
+	if (ret != -EINVAL)
+		FAIL("nvfail: unaligned VA: %s, want EINVAL", strerror(-ret));
+	ret = nv_register(fd, 0x7000000000ULL, 4 << 20, &r);
+	if (ret != -EINVAL)
+		FAIL("nvfail: VA that is no GPU memory: %s, want EINVAL", strerror(-ret));
+#undef NVEXPECT
+	close(fd);
+	(void)dir;
+	if (!nv_settled("nvfail") && !failures)
+		PASS("nvfail (driver errors mapped: ENOTSUPP->EOPNOTSUPP, version major/minor, fragments, put failure)");
+	return failures ? 1 : 0;
+}
+
+/* Revocable memory refuses long-term pins (io_uring fixed buffers). */
+static int cmd_nvfixedbuf(const struct bdf *b, uint64_t regoff, uint64_t reglen)
+{
+	struct phx_register reg;
+	struct io_uring r;
+	struct iovec iov;
+	int fd = phx_open(), ret;
+	uint8_t *map = phx_map(fd, b, 0, regoff, reglen, &reg);
+
+	if (io_uring_queue_init(8, &r, 0)) {
+		FAIL("nvfixedbuf: io_uring_queue_init");
+		return 1;
+	}
+	map[0] = 1;
+	iov.iov_base = map;
+	iov.iov_len = reglen;
+	ret = io_uring_register_buffers(&r, &iov, 1);
+	if (!ret)
+		FAIL("nvfixedbuf: GPU memory accepted as an io_uring fixed buffer (a long-term pin would outlive the free callback)");
+	else
+		printf("nvfixedbuf: fixed buffer refused: %s\n", strerror(-ret));
+	io_uring_queue_exit(&r);
+	munmap(map, reglen);
+	close(fd);
+	if (!nv_settled("nvfixedbuf") && !failures)
+		PASS("nvfixedbuf (long-term pin of revocable memory refused)");
+	return failures ? 1 : 0;
+}
+
+/*
+ * Races, one pair of actors per kind, each iteration on a fresh
+ * registration with random delays: mmap+touch, munmap, fork (the child
+ * touches), unregister, the free callback.  Every outcome a user can see
+ * must be one the ABI allows; the kernel log must stay clean (the harness
+ * checks), and nothing may be left behind.
+ */
+enum { A_MMAP, A_MUNMAP, A_FORK, A_UNREG, A_CB };
+
+struct race {
+	int fd;
+	struct phx_register reg;
+	uint8_t *premap;
+	size_t len;
+	int action;
+	unsigned int delay_us;
+	long bad;
+};
+
+static __thread sigjmp_buf race_jb;
+
+static void race_fault(int sig)
+{
+	siglongjmp(race_jb, sig);
+}
+
+static int race_touch(volatile uint8_t *p, size_t len)
+{
+	size_t off;
+	int sig = sigsetjmp(race_jb, 1);
+
+	if (sig)
+		return sig;
+	for (off = 0; off < len; off += 64 << 10)
+		p[off] = (uint8_t)off;
+	return 0;
+}
+
+static void *race_actor(void *arg)
+{
+	struct race *r = arg;
+	uint8_t *p;
+	pid_t pid;
+	int status, sig;
+
+	usleep(r->delay_us);
+	switch (r->action) {
+	case A_MMAP:
+		p = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd,
+			 (off_t)r->reg.mmap_offset);
+		if (p == MAP_FAILED) {
+			if (errno != ENODEV && errno != ENXIO)
+				r->bad++;
+			break;
+		}
+		sig = race_touch(p, r->len);
+		if (sig && sig != SIGBUS)
+			r->bad++;
+		munmap(p, r->len);
+		break;
+	case A_MUNMAP:
+		munmap(r->premap, r->len);
+		break;
+	case A_FORK:
+		pid = fork();
+		if (pid == 0) {
+			/* VM_DONTCOPY: the child has nothing there */
+			signal(SIGSEGV, race_fault);
+			signal(SIGBUS, race_fault);
+			_exit(race_touch(r->premap, 4096) == SIGSEGV ? 0 : 1);
+		}
+		if (pid < 0 || waitpid(pid, &status, 0) != pid ||
+		    !WIFEXITED(status) || WEXITSTATUS(status))
+			r->bad++;
+		break;
+	case A_UNREG: {
+		int ret = phx_unreg(r->fd, r->reg.handle);
+
+		if (ret && ret != -ENOENT)
+			r->bad++;
+		break;
+	}
+	case A_CB:
+		stub_write("free_now", "%#llx", (unsigned long long)r->reg.gpu_va);
+		break;
+	}
+	return NULL;
+}
+
+static int cmd_race(const struct bdf *b, const char *kind, int n, uint64_t seed)
+{
+	static const struct { const char *name; int a, b; } kinds[] = {
+		{ "mmap-unreg", A_MMAP, A_UNREG }, { "mmap-cb", A_MMAP, A_CB },
+		{ "munmap-cb", A_MUNMAP, A_CB }, { "fork-cb", A_FORK, A_CB },
+		{ "unreg-cb", A_UNREG, A_CB }, { "munmap-unreg", A_MUNMAP, A_UNREG },
+		{ "fork-unreg", A_FORK, A_UNREG },
+	};
+	unsigned int k;
+	long bad = 0;
+	int i;
+
+	rng_state = seed;
+	signal(SIGSEGV, race_fault);
+	signal(SIGBUS, race_fault);
+	for (k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
+		if (!strcmp(kinds[k].name, kind))
+			break;
+	if (k == sizeof(kinds) / sizeof(kinds[0])) {
+		FAIL("race: unknown kind %s", kind);
+		return 1;
+	}
+	for (i = 0; i < n && !failures; i++) {
+		struct race ra = { 0 }, rb;
+		pthread_t ta, tb;
+		int ret, tries = 0;
+
+		ra.fd = phx_open();
+		ra.len = 2 << 20;
+		while ((ret = nv_register(ra.fd, b->nv_va + (i % 4) * (2 << 20), ra.len,
+					  &ra.reg)) == -EBUSY && tries++ < 500)
+			usleep(2000);
+		if (ret) {
+			FAIL("race %s: register: %s", kind, strerror(-ret));
+			break;
+		}
+		ra.premap = mmap(NULL, ra.len, PROT_READ | PROT_WRITE, MAP_SHARED, ra.fd,
+				 (off_t)ra.reg.mmap_offset);
+		if (ra.premap == MAP_FAILED) {
+			FAIL("race %s: mmap: %s", kind, strerror(errno));
+			break;
+		}
+		race_touch(ra.premap, ra.len);
+		rb = ra;
+		ra.action = kinds[k].a;
+		rb.action = kinds[k].b;
+		ra.delay_us = rnd() % 300;
+		rb.delay_us = rnd() % 300;
+		pthread_create(&ta, NULL, race_actor, &ra);
+		pthread_create(&tb, NULL, race_actor, &rb);
+		pthread_join(ta, NULL);
+		pthread_join(tb, NULL);
+		bad += ra.bad + rb.bad;
+		if (ra.action != A_MUNMAP && rb.action != A_MUNMAP)
+			munmap(ra.premap, ra.len);
+		phx_unreg(ra.fd, ra.reg.handle);
+		close(ra.fd);
+		if (bad) {
+			FAIL("race %s: iteration %d: an actor saw an outcome the ABI does not allow", kind, i);
+			break;
+		}
+		if (i % 250 == 249 && nv_settled(kind))
+			break;
+	}
+	if (!nv_settled(kind) && !failures)
+		PASS("race/%s %d iterations", kind, n);
+	return failures ? 1 : 0;
+}
+
 static int cmd_info(void)
 {
 	struct phx_info info;
@@ -1411,12 +2005,26 @@ int main(int argc, char **argv)
 		return cmd_host(argv[2], num(argv[3]), num(argv[4]), num(argv[5]), 0);
 	if (!strcmp(cmd, "info"))
 		return cmd_info();
+	if (!strcmp(cmd, "nvsparse") && argc == 5)
+		return cmd_nvsparse(num(argv[2]), num(argv[3]), argv[4]);
 	if (argc < 4 || parse_bdf(argv[2], &b)) {
 		fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
 		return 2;
 	}
 	if (!strcmp(cmd, "validate"))
 		return cmd_validate(&b, atoi(argv[3]));
+	if (!strcmp(cmd, "nvreg"))
+		return cmd_nvreg(&b, atoi(argv[3]));
+	if (!strcmp(cmd, "nvfail"))
+		return cmd_nvfail(&b, argv[3]);
+	if (!strcmp(cmd, "race") && argc == 6)
+		return cmd_race(&b, argv[3], atoi(argv[4]), num(argv[5]));
+	if (!strcmp(cmd, "nvfixedbuf") && argc == 5)
+		return cmd_nvfixedbuf(&b, num(argv[3]), num(argv[4]));
+	if (!strcmp(cmd, "nvreuse") && argc == 6)
+		return cmd_nvreuse(&b, num(argv[3]), num(argv[4]), argv[5]);
+	if (!strcmp(cmd, "nvcb") && argc == 7)
+		return cmd_nvcb(&b, num(argv[3]), num(argv[4]), argv[5], atoi(argv[6]));
 	if (!strcmp(cmd, "garbage") && (argc == 5 || argc == 6))
 		return cmd_garbage(&b, atoi(argv[3]), atol(argv[4]),
 				   argc == 6 ? num(argv[5]) : 1);

@@ -114,9 +114,10 @@ def apt_download(pkgs, dest):
 class Kernel:
     """What a run needs from a kernel: image, build tree, modules."""
 
-    def __init__(self, name, kver, vmlinuz, kdir, moddir):
+    def __init__(self, name, kver, vmlinuz, kdir, moddir, make_args=()):
         self.name, self.kver = name, kver
         self.vmlinuz, self.kdir, self.moddir = vmlinuz, kdir, moddir
+        self.make_args = make_args      # extra make arguments for module builds
 
 
 def debian_version():
@@ -163,6 +164,91 @@ def debian_kernel():
         stamp.touch()
     return Kernel("debian", f"{ver}-amd64", root / "boot" / f"vmlinuz-{ver}-amd64", hdr,
                   root / "lib/modules" / f"{ver}-amd64")
+
+
+# A newer Debian kernel (>= 6.15: the new ZONE_DEVICE refcount rules, and
+# CONFIG_PCI_P2PDMA=y in Debian's 7.x), from trixie-backports.  apt runs on
+# a private sources list and state under the cache, so the host's apt
+# configuration is not touched.
+NEXT_SUITE = os.environ.get("PHX_GUEST_NEXT_SUITE", "trixie-backports")
+
+
+def apt_private_opts():
+    d = CACHE / f"apt-{NEXT_SUITE}"
+    (d / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+    (d / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+    src = d / "sources.list"
+    src.write_text("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+                   f"http://deb.debian.org/debian {NEXT_SUITE} main\n")
+    opts = ["-o", f"Dir::Etc::SourceList={src}", "-o", "Dir::Etc::SourceParts=/dev/null",
+            "-o", f"Dir::State::Lists={d / 'lists'}", "-o", f"Dir::Cache={d / 'cache'}",
+            "-o", "APT::Sandbox::User=root"]
+    stamp = d / ".updated"
+    if not stamp.exists() or time.time() - stamp.stat().st_mtime > 7 * 86400:
+        run(["apt-get"] + opts + ["update", "-qq"])
+        stamp.touch()
+    return opts
+
+
+def next_version(opts):
+    """ABI name of the suite's newest kernel, e.g. 7.3.4+deb13."""
+    if os.environ.get("PHX_GUEST_NEXT_KVER"):
+        return os.environ["PHX_GUEST_NEXT_KVER"]
+    out = sh_out(["apt-cache"] + opts + ["depends", "linux-image-amd64"])
+    m = re.search(r"Depends: linux-image-(\S+)-amd64", out)
+    if not m:
+        raise SystemExit(f"no linux-image-amd64 in {NEXT_SUITE}")
+    return m.group(1)
+
+
+def debian_next_kernel(jobs):
+    """Debian's image, modules and headers of the newer kernel.  Its kbuild
+    tools are linked against a newer glibc and its config names gcc-14, so
+    the module build tree is prepared from the same version's linux-source
+    with the host's gcc (modules_prepare, ~10 s), Debian's .config and
+    Module.symvers; the vermagic matches the Debian kernel's."""
+    opts = apt_private_opts()
+    ver = next_version(opts)
+    root = CACHE / f"k-{ver}"
+    kver = f"{ver}-amd64"
+    mm = ".".join(ver.split(".")[:2])
+    hdr = root / "usr/src" / f"linux-headers-{kver}"
+    out = root / "build"
+    stamp = root / ".prepared"
+    if not stamp.exists():
+        deb = CACHE / "deb"
+        deb.mkdir(parents=True, exist_ok=True)
+        pkgs = [f"linux-binary-{kver}", f"linux-modules-{kver}", f"linux-headers-{kver}",
+                f"linux-headers-{ver}-common", f"linux-kbuild-{ver}", f"linux-source-{mm}"]
+        todo = [p for p in pkgs if not list(deb.glob(f"{p}_*.deb"))]
+        if todo:
+            log(f"apt-get download ({NEXT_SUITE}) {' '.join(todo)}")
+            run(["apt-get"] + opts + ["download"] + todo, cwd=deb, stdout=subprocess.DEVNULL)
+        debs = [next(deb.glob(f"{p}_*.deb")) for p in pkgs]
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        for d in debs[:-1]:
+            run(["dpkg-deb", "-x", str(d), str(root)])
+        log(f"unpacking linux-source-{mm}")
+        run(f"dpkg-deb --fsys-tarfile '{debs[-1]}' | tar -xO ./usr/src/linux-source-{mm}.tar.xz"
+            f" | xz -dc -T0 | tar -x -C '{root}'", shell=True)
+        src = root / f"linux-source-{mm}"
+        out.mkdir()
+        shutil.copy(hdr / ".config", out / ".config")
+        local = kver[len(ver.split("+")[0]):]          # "+deb13-amd64"
+        mk = ["make", "-s", "-C", str(src), f"O={out}", "CC=gcc", f"LOCALVERSION={local}"]
+        run(mk + ["olddefconfig"], stdout=subprocess.DEVNULL)
+        run(mk + [f"-j{jobs}", "modules_prepare"])
+        shutil.copy(hdr / "Module.symvers", out / "Module.symvers")
+        rel = (out / "include/config/kernel.release").read_text().strip()
+        if rel != kver:
+            raise SystemExit(f"prepared tree says {rel}, the kernel is {kver}")
+        # merged /usr: modules live in usr/lib/modules
+        run(["depmod", "-b", str(root / "usr"), kver])
+        shutil.rmtree(src)
+        stamp.touch()
+    moddir = root / "usr/lib/modules" / kver
+    return Kernel("debian-next", kver, moddir / "vmlinuz", out, moddir, make_args=("CC=gcc",))
 
 
 P2PDMA_ENABLE = ["MODULES", "MODULE_UNLOAD", "MEMORY_HOTPLUG", "MEMORY_HOTREMOVE",
@@ -220,23 +306,38 @@ def p2pdma_kernel(jobs):
 # phx.ko and test programs
 
 
-def build_module(kern):
-    """Build kernel/ in a copy under the cache (the tree stays clean)."""
-    bdir = CACHE / "phx-build" / kern.name
-    if bdir.exists():
-        shutil.rmtree(bdir)
-    shutil.copytree(REPO / "kernel", bdir,
-                    ignore=shutil.ignore_patterns("*.o", "*.ko", "*.cmd", "*.mod*",
-                                                  "*.order", "*.symvers", ".*"))
-    r = run(["make", "-C", str(kern.kdir), f"M={bdir}", "modules"], capture_output=True,
-            text=True, check=False)
+def _kbuild(kern, mdir, extra=()):
+    r = run(["make", "-C", str(kern.kdir), f"M={mdir}"] + list(kern.make_args) +
+            list(extra) + ["modules"], capture_output=True, text=True, check=False)
     if r.returncode:
         print(r.stdout, r.stderr)
-        raise SystemExit("phx.ko did not build")
-    warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning:" in ln]
-    for ln in warn:
-        log(f"build warning: {ln}")
-    return bdir / "phx.ko"
+        raise SystemExit(f"{mdir.name} did not build")
+    for ln in (r.stdout + r.stderr).splitlines():
+        if "warning:" in ln:
+            log(f"build warning: {ln}")
+
+
+def build_module(kern):
+    """Build the NVIDIA stub, then kernel/ (phx.ko, and phx_nv.ko against the
+    stub's Module.symvers, as against the real driver's), in copies under the
+    cache (the tree stays clean).  Returns {name: path of the .ko}."""
+    root = CACHE / "phx-build" / kern.name
+    if root.exists():
+        shutil.rmtree(root)
+    ignore = shutil.ignore_patterns("*.o", "*.ko", "*.cmd", "*.mod*", "*.order",
+                                    "*.symvers", ".*")
+    kdir = root / "kernel"
+    stub = root / "nv_p2p_stub"
+    shutil.copytree(REPO / "kernel", kdir, ignore=ignore)
+    shutil.copytree(HERE / "nv_p2p_stub", stub, ignore=ignore)
+    # the stub includes kernel/phx_nv_p2p.h: point it at the copy
+    kb = stub / "Kbuild"
+    kb.write_text(kb.read_text().replace("$(src)/../../../kernel", str(kdir)))
+    _kbuild(kern, stub)
+    _kbuild(kern, kdir, ["CONFIG_PHX_NV=m",
+                         f"KBUILD_EXTRA_SYMBOLS={stub / 'Module.symvers'}"])
+    return {"phx": kdir / "phx.ko", "phx_nv": kdir / "phx_nv.ko",
+            "nv_p2p_stub": stub / "nv_p2p_stub.ko"}
 
 
 def build_programs():
@@ -461,7 +562,7 @@ def judge(text, expects):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("suite", type=Path, help="bash script run in the guest (chroot)")
-    ap.add_argument("--kernel", choices=["debian", "p2pdma"], default="debian")
+    ap.add_argument("--kernel", choices=["debian", "debian-next", "p2pdma"], default="debian")
     ap.add_argument("--nvme", type=parse_nvme, action="append",
                     help="add an NVMe: size=512M,lba=4096,mdts=7 (repeatable)")
     ap.add_argument("--ivshmem-size", type=parse_size, default=parse_size("128M"))
@@ -488,8 +589,11 @@ def main():
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         apt_install(HOST_PACKAGES)
-        kern = debian_kernel() if a.kernel == "debian" else p2pdma_kernel(a.jobs)
-        ko = shutil.copy(build_module(kern), rundir / "phx.ko")
+        kern = {"debian": debian_kernel, "debian-next": lambda: debian_next_kernel(a.jobs),
+                "p2pdma": lambda: p2pdma_kernel(a.jobs)}[a.kernel]()
+        kos = {n: Path(shutil.copy(p, rundir / p.name))
+               for n, p in build_module(kern).items()}
+        ko = kos["phx"]
         bindir = shutil.copytree(build_programs(), rundir / "bin")
         initrd = shutil.copy(build_initramfs(kern), rundir / "initrd.cpio.gz")
     log(f"prepared in {time.time() - t0:.0f} s: kernel {kern.kver}, {ko}")
@@ -507,7 +611,8 @@ def main():
         log(f"/dev/shm too small: the ivshmem memory is backed by {shm}")
     with open(shm, "wb") as f:
         f.truncate(a.ivshmem_size)
-    env = {"PHX_REPO": str(REPO), "PHX_KO": str(ko), "PHX_BIN": str(bindir),
+    env = {"PHX_REPO": str(REPO), "PHX_KO": str(ko), "PHX_NV_KO": str(kos["phx_nv"]),
+           "PHX_STUB_KO": str(kos["nv_p2p_stub"]), "PHX_BIN": str(bindir),
            "PHX_KVER": kern.kver, "PHX_KERNEL": a.kernel,
            "PHX_IVSHMEM_SIZE": str(a.ivshmem_size)}
     # knobs for suites: PHX_SUITE_* from the host environment (no spaces kept)

@@ -5,12 +5,26 @@
 # BAR 2 of the ivshmem device (256 MiB) is laid out as:
 #   0-32M io tests, validate, garbage(0-64M), lifecycle tests
 #   64M-160M three concurrent registrations of 32 MiB
+#   160M the first 2 MiB of the stub's sparse GPU region (nvsparse)
+#   168M NVIDIA-path fillbar (the host checks 8 MiB there)
 #   192M fillbar (the host checks 8 MiB there after the guest exits)
 #   224M checkbar (the host seeds 8 MiB there before the guest boots)
+# The NVIDIA section maps the stub's GPU VA 0x100000000000 + off onto
+# BAR 2 + off, so it reuses 0-32M after the PCIBAR tests are done.
+#
+# Knobs (host environment): PHX_SUITE_RACE_ITERS (iterations of each race
+# and of the registration race, default 100; `make test-guest-races` runs
+# 1000), PHX_SUITE_NVCB_ROUNDS (callback-under-I/O rounds, default 5),
+# PHX_SUITE_BIND (on a CONFIG_PCI_P2PDMA kernel, bind the ivshmem device
+# to phx for the PCIBAR tests: P2PDMA pages; default 1).
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
-# PHX-EXPECT: fillbar checkbar validate garbage rmmod-refused kill-midio
-# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem rmmod
+# PHX-EXPECT: fillbar checkbar validate validate-prefetch garbage rmmod-refused kill-midio
+# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem
+# PHX-EXPECT: nv-insmod nv-ext4/io-pread nv-ext4/io-uring nv-xfs/io-pread nv-xfs/io-uring
+# PHX-EXPECT: nv/fillbar nv/fork nv/unreg nvcb nvreg nvreuse nvsparse nvfail nvfixedbuf
+# PHX-EXPECT: race/mmap-unreg race/mmap-cb race/munmap-cb race/fork-cb race/unreg-cb
+# PHX-EXPECT: race/munmap-unreg race/fork-unreg nv-rmmod-refused nv-rmmod-after-cb nv-rmmod rmmod
 # PHX-HOSTFILL: 234881024 8388608 4242
 set -u
 export PYTHONDONTWRITEBYTECODE=1
@@ -67,6 +81,20 @@ else
 	exit 1
 fi
 $T info
+# On a P2PDMA kernel the ivshmem device is bound to phx (one P2PDMA
+# publication of its BAR for as long as it is bound).
+P2P=0
+if [ "$(( $($T info | sed -n 's/.* flags \(0x[0-9a-f]*\|[0-9]*\) .*/\1/p') & 2 ))" != 0 ] &&
+	[ "${PHX_SUITE_BIND:-1}" = 1 ]; then
+	echo phx >/sys/bus/pci/devices/$B/driver_override
+	echo "$B" >/sys/bus/pci/drivers_probe
+	if [ "$(basename "$(readlink /sys/bus/pci/devices/$B/driver)")" = phx ]; then
+		P2P=1
+		echo "p2pdma: $B bound to phx: $(cat /sys/bus/pci/devices/$B/p2pmem/size 2>/dev/null) bytes published"
+	else
+		fail "p2pdma-bind: $B did not bind to phx"
+	fi
+fi
 
 # --- O_DIRECT SSD <-> BAR, byte-checked in the guest, on ext4 and xfs ---
 for fs in ext4 xfs; do
@@ -86,6 +114,12 @@ $T fillbar "$B" 2 $((192 * M)) $((16 * M)) $MNT 0 $((8 * M)) 777
 
 # --- arguments, garbage ---
 $T validate "$B" 2
+# BAR 0 of ivshmem is registers: refused for not being prefetchable
+if dmesg | grep -q "BAR 0 is not prefetchable"; then
+	pass validate-prefetch "non-prefetchable BAR refused"
+else
+	fail "validate-prefetch: no refusal of the register BAR in dmesg"
+fi
 # PHX_SUITE_GARBAGE_SEEDS="1 2 3" on the host runs more rounds (default: seed 1)
 SEEDS=${PHX_SUITE_GARBAGE_SEEDS:-1}
 for seed in ${SEEDS//,/ }; do
@@ -97,13 +131,8 @@ $T hold "$B" 2 0 $((16 * M)) >/tmp/hold.log &
 HP=$!
 for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/hold.log && break; sleep 0.1; done
 P2PMEM=/sys/bus/pci/devices/$B/p2pmem
-if [ "$PHX_KERNEL" = p2pdma ]; then
-	# upstream P2PDMA state exists on the device while phx has a registration
-	if [ -d $P2PMEM ]; then
-		echo "p2pdma: $P2PMEM present while registered: $(cat $P2PMEM/size 2>/dev/null) bytes"
-	else
-		fail "p2pdma-state: no $P2PMEM while a registration is live"
-	fi
+if [ $P2P = 1 ] && [ ! -d $P2PMEM ]; then
+	fail "p2pdma-state: no $P2PMEM while the device is bound to phx"
 fi
 if rmmod phx 2>/tmp/rmmod.err; then
 	fail "rmmod-refused: rmmod succeeded with a live mapping"
@@ -115,9 +144,6 @@ kill -9 $HP
 wait $HP 2>/dev/null
 if ! wait_regs0; then
 	fail "rmmod-refused: the holder was killed but registrations are left: $($T info)"
-fi
-if [ "$PHX_KERNEL" = p2pdma ] && [ -d $P2PMEM ]; then
-	fail "p2pdma-state: $P2PMEM still there after the last registration went"
 fi
 
 # --- a process killed in the middle of I/O leaves nothing behind ---
@@ -192,6 +218,75 @@ elif [ -f "$PHX_REPO/tests/guest/test_guest_libphx.py" ] &&
 	run_pytest libphx-devmem "$PHX_REPO/tests/guest/test_guest_libphx.py"
 else
 	echo "PHX-SKIP libphx-devmem: phx.devmem not importable with $PY (build the venv first)"
+fi
+
+# --- the NVIDIA provider: phx_nv.ko built against the stub's Module.symvers ---
+if [ $P2P = 1 ]; then
+	# the stub lends the same BAR: GENERIC pages, not phx's P2PDMA ones
+	echo "$B" >/sys/bus/pci/drivers/phx/unbind
+	echo >/sys/bus/pci/devices/$B/driver_override
+	[ -d $P2PMEM ] && fail "p2pdma-state: $P2PMEM still there after unbinding"
+fi
+mountpoint -q /sys/kernel/debug || mount -t debugfs none /sys/kernel/debug
+NV=nv:0x100000000000
+ITERS=${PHX_SUITE_RACE_ITERS:-100}
+STATS=/sys/kernel/debug/nv_p2p_stub/stats
+if insmod "$PHX_STUB_KO" && insmod "$PHX_NV_KO"; then
+	pass nv-insmod "phx_nv depends on: $(modinfo -F depends "$PHX_NV_KO"); $($T info)"
+else
+	fail "nv-insmod: the stub or phx_nv.ko did not load"
+fi
+for fs in ext4 xfs; do
+	mkfs_mount $fs || { fail "nv-$fs/setup: mkfs/mount failed"; continue; }
+	for eng in pread uring; do
+		$T io $NV 2 0 $((32 * M)) $MNT $eng | prefix nv-$fs
+	done
+done
+mkfs_mount ext4
+$T fillbar $NV 2 $((168 * M)) $((8 * M)) $MNT 0 $((8 * M)) 999 | prefix nv
+$T fork $NV 2 0 $((16 * M)) | prefix nv
+$T unreg $NV 2 0 $((32 * M)) $MNT | prefix nv
+t0=$(date +%s)
+$T nvcb $NV 0 $((16 * M)) $MNT "${PHX_SUITE_NVCB_ROUNDS:-5}"
+$T nvreg $NV "$ITERS"
+$T nvreuse $NV 0 $((8 * M)) $MNT
+$T nvsparse 0x200000000000 $((18 << 30)) $MNT
+$T nvfail $NV $MNT
+$T nvfixedbuf $NV 0 $((4 * M))
+echo "PHX-INFO nv callback tests: $(( $(date +%s) - t0 )) s"
+for kind in mmap-unreg mmap-cb munmap-cb fork-cb unreg-cb munmap-unreg fork-unreg; do
+	t0=$(date +%s)
+	$T race $NV $kind "$ITERS" 1
+	echo "PHX-INFO race/$kind: $ITERS iterations in $(( $(date +%s) - t0 )) s"
+done
+cat $STATS
+
+# rmmod with users: a process holding an NVIDIA mapping (fd closed)
+$T hold $NV 2 0 $((16 * M)) >/tmp/nvhold.log &
+HP=$!
+for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/nvhold.log && break; sleep 0.1; done
+e1=$(rmmod phx_nv 2>&1) && fail "nv-rmmod-refused: rmmod phx_nv succeeded with a live registration"
+e2=$(rmmod nv_p2p_stub 2>&1) && fail "nv-rmmod-refused: rmmod nv_p2p_stub succeeded under phx_nv"
+e3=$(rmmod phx 2>&1) && fail "nv-rmmod-refused: rmmod phx succeeded with users"
+if lsmod | grep -q '^phx_nv ' && lsmod | grep -q '^nv_p2p_stub '; then
+	pass nv-rmmod-refused "$e1 / $e2 / $e3"
+fi
+# the driver frees the memory under the holder: its registration goes, so
+# phx_nv may go, though the holder's (dead) mapping still exists
+echo 0 >/sys/kernel/debug/nv_p2p_stub/free_now
+if wait_regs0 && rmmod phx_nv; then
+	pass nv-rmmod-after-cb "phx_nv unloaded after the callback, holder still mapped"
+else
+	fail "nv-rmmod-after-cb: $($T info)"
+fi
+e3=$(rmmod phx 2>&1) && fail "nv-rmmod: rmmod phx succeeded while the holder maps /dev/phx"
+kill -9 $HP
+wait $HP 2>/dev/null
+cat $STATS
+if wait_regs0 && grep -q '^tables 0 .* client_bugs 0 poison_bad 0' $STATS && rmmod nv_p2p_stub; then
+	pass nv-rmmod "stub clean and unloaded"
+else
+	fail "nv-rmmod: $(cat $STATS 2>/dev/null); $($T info)"
 fi
 
 umount $MNT

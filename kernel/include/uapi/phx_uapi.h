@@ -49,9 +49,11 @@
 /* struct phx_register.status and struct phx_info.flags (out) */
 #define PHX_ST_IOMMU		(1U << 0) /* IOMMU translates for the device */
 #define PHX_ST_P2PDMA		(1U << 1) /* kernel has CONFIG_PCI_P2PDMA */
-#define PHX_ST_NVIDIA		(1U << 2) /* nvidia_p2p symbols resolvable */
+#define PHX_ST_NVIDIA		(1U << 2) /* NVIDIA provider (phx_nv.ko) loaded */
 #define PHX_ST_REVOKED		(1U << 3) /* registration revoked */
 #define PHX_ST_BOUNCE		(1U << 4) /* DMA is bounced (swiotlb, CoCo) */
+/* the PCI device holding the memory was not found: DMA translation unknown */
+#define PHX_ST_UNKNOWN_DEV	(1U << 5)
 
 /**
  * struct phx_info - PHX_IOC_INFO: what the loaded module offers.
