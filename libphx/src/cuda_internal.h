@@ -365,7 +365,7 @@ struct phx_cuda {
 	bool descs_registered;
 	CUmodule module;		/* the copy kernel */
 	CUfunction copy_fn;
-	unsigned copy_blocks;
+	unsigned copy_blocks, copy_threads;
 
 	pthread_mutex_t done_lock;
 	pthread_cond_t done_cond;

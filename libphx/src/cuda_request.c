@@ -420,7 +420,7 @@ static int stream_enqueue(phx_cuda *c, struct cu_req *rq, CUstream s, int *queue
 {
 	const struct cu_driver *d = c->d;
 	CUdeviceptr flag = c->flags_d + 4ull * rq->slot;
-	unsigned threads = 256;
+	unsigned threads = c->copy_threads;
 	CUresult r;
 	uint32_t k;
 
