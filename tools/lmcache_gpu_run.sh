@@ -9,7 +9,8 @@
 #   tools/lmcache_gpu_run.sh chunks    build, full chunk benchmark, disk and zram (~5 min)
 #   tools/lmcache_gpu_run.sh replay    build, full replay on zram, short on disk (~5 min)
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
-#                                      bench-full replay-full
+#                                      bench-mid bench-full replay-mid replay-full replay-disk
+#   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
 # the small packages the box's venv lacks, from `adapters/lmcache/tools/
@@ -56,7 +57,7 @@ tests() {
 	log tests
 	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
 		tests/test_lmcache_gpu.py tests/test_lmcache_cpu.py tests/test_lmcache_fake.py \
-		tests/test_lmcache_bench.py 2>&1 | tee -a "$LOG" | tail -40
+		tests/test_lmcache_bench.py ${EXTRA_TESTS:-} 2>&1 | tee -a "$LOG" | tail -40
 }
 
 bench() {	# $1 name, then phx bench lmcache options
@@ -79,10 +80,14 @@ step() {
 		--zram 4G ;;
 	replay-small) bench replay-small --mode replay --no-disk --zram 8G --sessions 2 --rounds 8 \
 		--token-scale 0.0625 --concurrency 1,2,4,8 ;;
+	bench-mid) bench bench-mid --mode chunks --chunks 32 --latency-chunks 8 --repeat 3 \
+		--zram 4G ;;
 	bench-full) bench bench-full --mode chunks --chunks 128 --latency-chunks 32 --repeat 3 \
 		--zram 20G ;;
 	replay-full) bench replay-full --mode replay --no-disk --zram 16G --sessions 6 --rounds 30 \
 		--token-scale 0.125 ;;
+	replay-mid) bench replay-mid --mode replay --no-disk --zram 12G --sessions 4 --rounds 12 \
+		--token-scale 0.125 --concurrency 1,2,4,8,16 ;;
 	replay-disk) bench replay-disk --mode replay --sessions 2 --rounds 10 --token-scale 0.0625 \
 		--concurrency 1,2,4,8 ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
