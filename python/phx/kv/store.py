@@ -176,13 +176,15 @@ class KVStore:
             they exist; without it they are made on the first GPU transfer, on
             that tensor's device (and counted by later plans as cgroup usage).
         copy_threads: relays for GPU transfers (the paper's N_threads).
+        relays: a :class:`~phx.kv.codma.RelayPool` to use instead of making one
+            (e.g. one pool kept over several stores); not closed by :meth:`destroy`.
     """
 
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
                  reserve: int | None = None, pinned_bytes: int = 0,
                  direct_backend: DirectBackend | None = None,
                  slab_capacity: int | None = None, engine=None,
-                 device: int | None = None, copy_threads: int = 2):
+                 device: int | None = None, copy_threads: int = 2, relays=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         os.makedirs(directory, exist_ok=True)
@@ -203,7 +205,10 @@ class KVStore:
         self._closed = False
         self.device = device
         self.copy_threads = int(copy_threads)
-        self._relays = None                 # phx.kv.codma.RelayPool, made on demand
+        self._relays = relays               # phx.kv.codma.RelayPool, made on demand
+        self._own_relays = relays is None
+        if relays is not None and device is None:
+            self.device = relays.device
 
     # -- allocation ---------------------------------------------------------
     def allocate_tensor(self, layer: int, kind: str, shape: tuple[int, ...],
@@ -555,7 +560,7 @@ class KVStore:
                 self._pc.close(unlink)
             if self._direct is not None:
                 self._direct.close(unlink if self._own_direct else False)
-            if self._relays is not None:
+            if self._relays is not None and self._own_relays:
                 self._relays.close()
             self._closed = True
 

@@ -1,0 +1,441 @@
+"""The Dual-Blade paper's four configurations on FlexLLMGen (``flexgen==0.1.8``), side by side.
+
+    stock        FlexLLMGen's own TorchDisk (one .npy memmap per tensor, 4 copy
+                 threads with 2 GiB pinned relays)
+    cachepolicy  CachePolicy-only: phx.kv page-cache path + fadvise(DONTNEED) past
+                 the budget (adapters/flexllmgen/phx_disk.py)
+    direct       NVMe-direct-only: every KV tensor O_DIRECT through phx
+    dual         Dual-Blade: Algorithm 1 split + adaptive pipeline, Co-DMA relays
+
+One worker process per configuration loads OPT with ``_DUMMY_`` weights -- drawn
+at random on the GPU from a fixed seed, the same in every worker (FlexLLMGen's own
+dummy weights are all ones, which makes every KV row alike and would hide a KV
+mix-up) -- and synthetic input ids (no tokenizer: no network), warms up, then for
+every cap: moves itself into a fresh memory cgroup (memory.max = allowance +
+fraction x KV working set, swap off), runs ``generate`` with a fresh offload
+directory, moves back.  Charges made before the move (the interpreter, CUDA, the
+model's host memory, every configuration's pinned relays) stay outside the cap, so
+the cap holds the run's page cache and new memory; phx is told to keep the
+allowance free (its budgeter reserve), so its budget is the KV share of the cap.
+
+Reported per cap and configuration: prefill and decode latency (FlexLLMGen's
+``timers("generate")``), the output token ids (every configuration must produce
+the stock ones), bytes read and written on the device (/proc/self/io), the hit
+rate of decode reads (1 - device bytes read / KV bytes decode read), pinned bytes,
+the plan (dual), the pipeline's choice, and the physical ideal decode time: per
+step max(compute, cached / page-cache bandwidth + rest / device bandwidth), with
+the bytes the dual run actually had cached, the compute time of a run with the
+KV cache on the GPU, and bandwidths measured in the same worker.
+
+Run (root, a GPU, cgroup v1 or v2)::
+
+    python adapters/flexllmgen/run_four.py --batch 4 --gen 8 --caps 0.2,0.4,0.6,0.8,1.0,1.2 \\
+        --dir /var/tmp/flexkv --json flex.json --plot flex.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = ("stock", "cachepolicy", "direct", "dual")
+LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)", "cachepolicy": "CachePolicy-only",
+          "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)"}
+MiB = 1 << 20
+
+
+# -- workload arithmetic (no torch needed: the parent and the tests use it) ----------
+def kv_shape(cfg: dict) -> tuple[int, int, int]:
+    """FlexLLMGen's cache tensor: (prompt + gen - 1, batch * heads, head_dim)."""
+    return (cfg["prompt"] + cfg["gen"] - 1, cfg["batch"] * cfg["heads"],
+            cfg["hidden"] // cfg["heads"])
+
+
+def tensor_bytes(cfg: dict) -> int:
+    r, c, d = kv_shape(cfg)
+    return r * c * d * 2
+
+
+def working_set(cfg: dict) -> int:
+    return 2 * cfg["layers"] * tensor_bytes(cfg)
+
+
+def decode_read_bytes(cfg: dict) -> list[int]:
+    """KV bytes FlexLLMGen reads in each decode step (rows [0:prompt+i], K and V)."""
+    row = cfg["batch"] * cfg["hidden"] * 2
+    return [2 * cfg["layers"] * (cfg["prompt"] + i) * row for i in range(1, cfg["gen"])]
+
+
+def ideal_decode_s(cfg: dict, hit_rate: float, compute_step_s: float, pc_bw: float,
+                   dev_bw: float) -> float:
+    """Overlap model: per step max(compute, cached/pc_bw + rest/dev_bw)."""
+    t = 0.0
+    for b in decode_read_bytes(cfg):
+        c = hit_rate * b
+        t += max(compute_step_s, c / pc_bw + (b - c) / dev_bw)
+    return t
+
+
+MODELS = {"facebook/opt-6.7b": {"layers": 32, "hidden": 4096, "heads": 32},
+          "facebook/opt-1.3b": {"layers": 24, "hidden": 2048, "heads": 32},
+          "facebook/opt-125m": {"layers": 12, "hidden": 768, "heads": 12}}
+
+
+# -- the worker (one configuration, all caps) ----------------------------------------
+def _random_weights(seed: int):
+    """A replacement for flex_opt.init_weight_list: weights on their home device,
+    seeded random (the same bytes in every process)."""
+    import numpy as np
+    import torch
+    from flexgen import flex_opt as fo
+
+    def init_weight_list(weight_specs, policy, env):
+        if policy.w_gpu_percent != 100:
+            raise ValueError("the runner keeps the weights on the GPU (--percent 100 0 ...)")
+        ret = []
+        for shape, dtype, filename in weight_specs:
+            w = env.gpu.allocate(shape, dtype)
+            name = os.path.basename(filename)
+            g = torch.Generator(device=w.data.device)
+            g.manual_seed(seed ^ zlib.crc32(name.encode()))
+            w.data.normal_(0.0, 0.02, generator=g)
+            if "layer_norm" in name and name.endswith("weight"):
+                w.data.add_(1.0)
+            ret.append(w)
+        return ret
+    fo.init_weight_list = init_weight_list
+    return np
+
+
+def worker(conf: dict) -> dict:
+    import numpy as np
+    import torch
+    sys.path.insert(0, HERE)
+    from flexgen import flex_opt as fo
+    from flexgen.compression import CompressionConfig
+    from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
+    from flexgen.timer import timers
+    from flexgen.utils import ExecutionEnv
+    from phx.bench._kv_cgroup import MemCgroup
+    from phx.kv import _sys
+    from phx_disk import PhxDisk
+
+    _random_weights(conf["seed"])
+    torch.backends.cudnn.deterministic = True
+    cfg = conf["config"]
+    root = conf["dir"]
+    os.makedirs(root, exist_ok=True)
+    allowance = conf["allowance"]
+    ws = working_set(conf)
+    tb = tensor_bytes(conf)
+
+    def policy(cache_gpu: int):
+        cc = CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False)
+        return fo.Policy(conf["batch"], 1, 100, 0, cache_gpu, 0, 100, 0, True, True, True,
+                         False, 1.0, False, cc, False,
+                         CompressionConfig(num_bits=4, group_size=64, group_dim=2,
+                                           symmetric=False))
+    gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
+    if cfg == "stock":
+        disk = TorchDisk(os.path.join(root, "warm"))
+        pinned = len(disk.copy_threads) * 2 * 1024 ** 3     # 1 Gi fp16 elements each
+    else:
+        disk = PhxDisk(os.path.join(root, "warm"), mode=cfg, relay_bytes=tb, reserve=allowance,
+                       strategy=conf.get("strategy"))
+        pinned = disk.relays.pinned_bytes if disk.relays else 0
+    env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
+    opt_config = fo.get_opt_config(conf["model"])
+    rng = np.random.default_rng(conf["seed"])
+    nprompts = conf["batch"]
+    inputs = tuple(rng.integers(4, 50000, conf["prompt"]).tolist() for _ in range(nprompts))
+    warm = tuple(rng.integers(4, 50000, 32).tolist() for _ in range(nprompts))
+    res: dict = {"config": cfg, "pinned_bytes": pinned, "runs": []}
+    t0 = time.perf_counter()
+    model = fo.OptLM(opt_config, env, "_DUMMY_", policy(0))
+    res["load_s"] = time.perf_counter() - t0
+    model.generate(warm, max_new_tokens=1)
+
+    if conf.get("calibrate"):
+        # the ideal's terms: compute with the KV cache on the GPU; the bandwidths
+        model_gpu = fo.OptLM(opt_config, env, "_DUMMY_", policy(100))
+        model_gpu.generate(warm, max_new_tokens=1)
+        timers("generate").reset()
+        ids = model_gpu.generate(inputs, max_new_tokens=conf["gen"])
+        c = timers("generate").costs
+        res["compute"] = {"prefill_s": c[0], "decode_step_s": sorted(c[1:])[len(c[1:]) // 2],
+                          "output_ids": np.asarray(ids).tolist()}
+        del model_gpu
+        torch.cuda.empty_cache()
+        from phx.bench._kv_worker import Shape, calibrate
+        shape = Shape({"layers": conf["layers"], "batch": conf["batch"],
+                       "hidden": conf["hidden"], "heads": conf["heads"],
+                       "prompt": conf["prompt"], "gen": conf["gen"], "dtype": "float16"})
+        src = _sys.aligned_empty(conf["prompt"] * shape.row_bytes)
+        src[:] = np.frombuffer(os.urandom(src.nbytes), np.uint8)
+        res["calibration"] = calibrate(shape, os.path.join(root, "cal"), src, 2)
+
+    base = conf["base_cgroup"]
+    for frac in conf["caps"]:
+        d = os.path.join(root, f"cap{frac}")
+        if cfg == "stock":
+            os.makedirs(d, exist_ok=True)
+            disk.path = d
+        else:
+            disk.set_path(d)
+        limit = allowance + int(frac * ws)
+        cg = MemCgroup(f"phx-flex-{os.getpid()}-{cfg}-{int(frac * 100)}", limit)
+        run = {"cap_fraction": frac, "cap_bytes": limit}
+        io0 = _sys.proc_io()
+        try:
+            cg.add(os.getpid())
+            timers("generate").reset()
+            ids = model.generate(inputs, max_new_tokens=conf["gen"])
+            costs = list(timers("generate").costs)
+            io1 = _sys.proc_io()
+        except Exception as e:          # noqa: BLE001 - one cap's failure is a result
+            run["error"] = f"{type(e).__name__}: {e}"
+            ids, costs, io1 = None, [], _sys.proc_io()
+        finally:
+            with open(os.path.join(base, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            run["peak_bytes"] = cg.peak()
+            run["oom_kills"] = cg.oom_kills()
+            run["swap_limited"] = cg.swap_limited
+            cg.close()
+        if ids is not None:
+            run.update({
+                "prefill_s": costs[0], "decode_s": sum(costs[1:]), "decode_step_s": costs[1:],
+                "output_ids": np.asarray(ids).tolist(),
+                "device_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+                "device_write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+            })
+            logical = sum(decode_read_bytes(conf))
+            run["hit_rate"] = max(0.0, 1.0 - run["device_read_bytes"] / logical)
+        if cfg != "stock":
+            run["phx"] = disk.stats()
+        res["runs"].append(run)
+        shutil.rmtree(d, ignore_errors=True)
+    if cfg != "stock":
+        disk.close()
+    else:
+        disk.close_copy_threads()
+    return res
+
+
+# -- the parent ------------------------------------------------------------------------
+def _failure(run: dict, want_ids) -> str | None:
+    if run.get("error"):
+        return run["error"]
+    if run.get("oom_kills"):
+        return f"{run['oom_kills']} OOM kill(s) in its cgroup"
+    if want_ids is not None and run.get("output_ids") != want_ids:
+        return "output token ids differ from stock FlexLLMGen's"
+    return None
+
+
+def aggregate(results: list[dict], conf: dict) -> dict:
+    """Medians per cap and configuration, the ids check, ratios and the ideal."""
+    from statistics import median
+    stock_ids = None
+    for r in results:
+        if r["config"] == "stock":
+            for run in r["runs"]:
+                if run.get("output_ids") is not None:
+                    stock_ids = stock_ids or run["output_ids"]
+    cal = next((r for r in results if r.get("calibration")), None)
+    rows = []
+    checks = []
+    for frac in conf["caps"]:
+        per = {}
+        for cfg in conf["configs"]:
+            runs = [run for r in results if r["config"] == cfg for run in r["runs"]
+                    if run["cap_fraction"] == frac]
+            bad = [_failure(x, stock_ids) for x in runs]
+            good = [x for x, b in zip(runs, bad) if b is None]
+            checks += [{"cap_fraction": frac, "config": cfg, "failure": b} for b in bad if b]
+            row = {"cap_fraction": frac, "config": cfg, "runs": len(good),
+                   "cap_bytes": runs[0]["cap_bytes"] if runs else None,
+                   "errors": [b for b in bad if b]}
+            for k in ("prefill_s", "decode_s", "hit_rate", "device_read_bytes",
+                      "device_write_bytes", "peak_bytes"):
+                vals = [x[k] for x in good if x.get(k) is not None]
+                row[k] = median(vals) if vals else None
+                row[k + "_spread"] = ((max(vals) - min(vals)) / median(vals)
+                                      if vals and median(vals) else None)
+            row["pinned_bytes"] = next((r["pinned_bytes"] for r in results
+                                        if r["config"] == cfg), None)
+            if cfg == "dual":
+                row["n1"] = [len((x.get("phx") or {}).get("plan", {}).get("layers_pagecache")
+                                 or []) for x in good]
+                row["pipeline"] = [((x.get("phx") or {}).get("pipeline") or {}).get("choice")
+                                   for x in good]
+            per[cfg] = row
+            rows.append(row)
+        base = per.get("stock")
+        for cfg, row in per.items():
+            if base and base.get("decode_s") and row.get("decode_s"):
+                row["decode_vs_stock"] = row["decode_s"] / base["decode_s"]
+                row["prefill_vs_stock"] = row["prefill_s"] / base["prefill_s"]
+        if cal and per.get("dual", {}).get("hit_rate") is not None:
+            c = cal["calibration"]
+            ideal = ideal_decode_s(conf, per["dual"]["hit_rate"], cal["compute"]["decode_step_s"],
+                                   c["pagecache_read_gbps"] * 1e9, c["dev_read_gbps"] * 1e9)
+            for row in per.values():
+                row["ideal_decode_s"] = ideal
+            per["dual"]["decode_vs_ideal"] = per["dual"]["decode_s"] / ideal
+    return {"rows": rows, "checks": checks, "stock_ids_found": stock_ids is not None,
+            "ids_identical": stock_ids is not None and not any(
+                c["failure"] == "output token ids differ from stock FlexLLMGen's" for c in checks)}
+
+
+def table(rows: list[dict]) -> str:
+    hdr = ["cap x WS", "config", "prefill s", "decode s", "pre/stock", "dec/stock",
+           "hit %", "dev read GB", "ideal s", "pinned MiB", "errors"]
+    out = [" | ".join(hdr), " | ".join("---" for _ in hdr)]
+
+    def f(x, fmt="{:.3f}"):
+        return "-" if x is None else fmt.format(x)
+    for r in rows:
+        out.append(" | ".join([
+            f"{r['cap_fraction']:.2f}", r["config"], f(r.get("prefill_s")), f(r.get("decode_s")),
+            f(r.get("prefill_vs_stock"), "{:.2f}"), f(r.get("decode_vs_stock"), "{:.2f}"),
+            f(r["hit_rate"] * 100 if r.get("hit_rate") is not None else None, "{:.1f}"),
+            f(r["device_read_bytes"] / 1e9 if r.get("device_read_bytes") is not None else None,
+              "{:.2f}"),
+            f(r.get("ideal_decode_s")),
+            f(r["pinned_bytes"] / MiB if r.get("pinned_bytes") is not None else None, "{:.0f}"),
+            "; ".join(r["errors"]) or ""]))
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str, conf: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    styles = {"stock": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
+              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D")}
+    for cfg in CONFIGS:
+        rs = [r for r in rows if r["config"] == cfg and r.get("decode_s") is not None]
+        if not rs:
+            continue
+        x = [r["cap_fraction"] for r in rs]
+        c, m = styles[cfg]
+        ax[0].plot(x, [r["prefill_s"] for r in rs], color=c, marker=m, label=LABELS[cfg])
+        ax[1].plot(x, [r["decode_s"] for r in rs], color=c, marker=m, label=LABELS[cfg])
+        ax[2].plot(x, [100 * r["hit_rate"] for r in rs], color=c, marker=m, label=LABELS[cfg])
+    ideal = [r for r in rows if r["config"] == "dual" and r.get("ideal_decode_s")]
+    if ideal:
+        ax[1].plot([r["cap_fraction"] for r in ideal], [r["ideal_decode_s"] for r in ideal],
+                   "k--", label="physical ideal")
+    for a, t, y in zip(ax, ("Prefill", "Decode", "Hit rate of decode reads"),
+                       ("latency (s)", f"latency, {conf['gen'] - 1} steps (s)", "%")):
+        a.set_title(t)
+        a.set_ylabel(y)
+        a.set_xlabel("memory cap (x KV working set, + allowance)")
+        a.grid(alpha=0.3)
+    ax[1].legend(fontsize=8)
+    fig.suptitle(f"FlexLLMGen {conf['model']}, batch {conf['batch']}, prompt {conf['prompt']}, "
+                 f"gen {conf['gen']}: KV {working_set(conf) / MiB:.0f} MiB", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        conf = json.loads(argv[1])
+        res = worker(conf)
+        with open(argv[2], "w") as f:
+            json.dump(res, f)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="facebook/opt-6.7b", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--gen", type=int, default=8)
+    p.add_argument("--caps", default="0.2,0.4,0.6,0.8,1.0,1.2")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--allowance", type=int, default=256 * MiB,
+                   help="bytes of the cap beyond the KV share (the run's new non-KV memory)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dir", default="/var/tmp/flexkv")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker")
+    a = p.parse_args(argv)
+    from phx.bench._kv_cgroup import MemCgroup, can_create
+    ok, why = can_create()
+    if not ok:
+        print(f"run_four: {why}", file=sys.stderr)
+        return 1
+    conf = {"model": a.model, **MODELS[a.model], "batch": a.batch, "prompt": a.prompt,
+            "gen": a.gen, "caps": [float(x) for x in a.caps.split(",")],
+            "configs": [c for c in a.configs.split(",") if c], "allowance": a.allowance,
+            "seed": a.seed}
+    if "stock" not in conf["configs"]:
+        print("run_four: the stock configuration is the reference for the token ids",
+              file=sys.stderr)
+        return 2
+    print(f"KV working set {working_set(conf) / MiB:.0f} MiB ({kv_shape(conf)} fp16 x "
+          f"{2 * conf['layers']}); decode reads {sum(decode_read_bytes(conf)) / 1e9:.2f} GB; "
+          f"caps = {a.allowance / MiB:.0f} MiB + fraction x WS", flush=True)
+    results = []
+    for rep in range(a.repeat):
+        order = conf["configs"][rep % len(conf["configs"]):] + conf["configs"][:rep % len(conf["configs"])]
+        for cfg in order:
+            out = os.path.join(a.dir, f"result-{cfg}-{rep}.json")
+            os.makedirs(a.dir, exist_ok=True)
+            base = MemCgroup(f"phx-flex-base-{os.getpid()}-{cfg}", None)
+            wconf = {**conf, "config": cfg, "dir": os.path.join(a.dir, f"{cfg}-{rep}"),
+                     "base_cgroup": base.path, "calibrate": cfg == "dual" and rep == 0}
+            t0 = time.time()
+            proc = base.popen([sys.executable, os.path.abspath(__file__), "--worker",
+                               json.dumps(wconf), out])
+            try:
+                rc = proc.wait(timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            base.close()
+            if rc == 0:
+                with open(out) as f:
+                    r = json.load(f)
+                r["repeat"] = rep
+                results.append(r)
+                for run in r["runs"]:
+                    print(f"  {cfg:12s} cap {run['cap_fraction']:.2f}: prefill "
+                          f"{run.get('prefill_s', float('nan')):.3f} s decode "
+                          f"{run.get('decode_s', float('nan')):.3f} s hit "
+                          f"{100 * run.get('hit_rate', float('nan')):.1f}% "
+                          f"{run.get('error') or ''}", flush=True)
+            else:
+                print(f"  {cfg}: worker exit {rc} after {time.time() - t0:.0f} s", flush=True)
+                results.append({"config": cfg, "repeat": rep, "runs": [
+                    {"cap_fraction": f, "cap_bytes": None, "error": f"worker exit {rc}"}
+                    for f in conf["caps"]], "pinned_bytes": None})
+            shutil.rmtree(wconf["dir"], ignore_errors=True)
+    agg = aggregate(results, conf)
+    print(table(agg["rows"]))
+    print("output token ids identical to stock FlexLLMGen's in every run:",
+          agg["ids_identical"])
+    doc = {"benchmark": "flexllmgen-four", "workload": conf, "working_set_bytes":
+           working_set(conf), **agg, "raw": results}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if a.plot:
+        plot(agg["rows"], a.plot, conf)
+    return 0 if agg["ids_identical"] and not agg["checks"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""adapters/flexllmgen: PhxDisk (FlexLLMGen's TorchDisk on phx.kv) and the four-way runner.
+
+On this CPU box: flexgen 0.1.8 imports, and PhxDisk is driven through FlexLLMGen's
+own ``general_copy`` with CPU tensors, the way ``flex_opt.py``'s store_cache /
+load_cache use it (prefill rows, one row per decode step, reads of rows
+[0:prompt+i], a part of each row), in all three modes, against a model of the
+bytes.  The runner's arithmetic, its token-id check, table and plot are tested on
+made-up results.  Running FlexLLMGen itself needs CUDA: tools/flex_gpu_run.sh on
+the H200 (tests skip here with 'no usable GPU').
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADAPTER = os.path.join(ROOT, "adapters", "flexllmgen")
+sys.path.insert(0, ADAPTER)
+
+
+def _flexgen():
+    pytest.importorskip("torch")
+    try:
+        return importlib.import_module("flexgen.pytorch_backend")
+    except ImportError as e:
+        pytest.skip(f"flexgen 0.1.8 is not installed (make venv installs it): {e}")
+
+
+@pytest.fixture
+def kvdir(data_dir):
+    return data_dir
+
+
+class _Cfg:
+    n_head, input_dim = 8, 128
+
+
+class _Task:
+    prompt_len, gen_len = 40, 6
+
+
+class _Pol:
+    gpu_batch_size = 2
+
+
+def test_flexgen_imports_and_phxdisk_is_a_disk():
+    pb = _flexgen()
+    import flexgen.flex_opt as fo
+    assert fo.TorchDisk is pb.TorchDisk
+    from phx_disk import PhxDisk
+    for name in ("allocate", "delete", "init_cache_one_gpu_batch", "submit_copy",
+                 "synchronize", "close_copy_threads", "add_link"):
+        assert callable(getattr(PhxDisk, name)), name
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("mode", ["dual", "direct", "cachepolicy"])
+def test_phxdisk_through_general_copy(kvdir, mode, dev):
+    """FlexLLMGen's KV traffic through its general_copy onto PhxDisk (CPU tensors
+    here; CUDA tensors through the Co-DMA relays on a GPU): every read returns the
+    bytes written; dual splits the layers by the budget, CachePolicy-only evicts
+    past it, direct keeps nothing in the page cache."""
+    pb = _flexgen()
+    import torch
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no usable GPU")
+    from phx_disk import PhxDisk
+    host = pb.TorchDevice("cpu")
+    cpu = host if dev == "cpu" else pb.TorchDevice("cuda:0")
+    tb = 45 * 16 * 16 * 2                       # (prompt+gen-1, B*heads, head_dim) fp16
+    budget = 3 * 2 * 24576 if mode != "direct" else None    # 3 layers of 6
+    d = PhxDisk(os.path.join(kvdir, mode), mode=mode, budget=budget, num_copy_threads=4,
+                relay_bytes=tb if dev == "cuda" else None)
+    caches = [d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol) for _ in range(6)]
+    assert caches[0][0].shape == (45, 16, 16) and caches[0][0].data.nbytes == tb
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = {}
+    for k, v in caches:                          # prefill: store_cache(i=0)
+        for t in (k, v):
+            x = torch.randn(40, 16, 16, generator=g).half()
+            pb.general_copy(t, (slice(0, 40), slice(0, 16)),
+                            pb.TorchTensor.create_from_torch(x.to(dev), cpu), None)
+            model[t.name] = torch.zeros(45, 16, 16).half()
+            model[t.name][:40] = x
+    d.synchronize()
+    for i in range(1, 6):                        # decode: load_cache then store_cache
+        for k, v in caches:
+            for t in (k, v):
+                ret = cpu.allocate((40 + i, 16, 16), np.float16, pin_memory=False)
+                pb.general_copy(ret, None, t, (slice(0, 40 + i), slice(0, 16)))
+                d.synchronize()
+                assert torch.equal(ret.data.cpu(), model[t.name][:40 + i]), (mode, i, t.name)
+                x = torch.randn(1, 16, 16, generator=g).half()
+                pb.general_copy(t, (slice(39 + i, 40 + i), slice(0, 16)),
+                                pb.TorchTensor.create_from_torch(x.to(dev), cpu), None)
+                model[t.name][39 + i:40 + i] = x
+        d.synchronize()
+    # a part of each row (FlexLLMGen's mixed-device path cuts the head axis)
+    k = caches[2][0]
+    part = torch.randn(4, 5, 16, generator=g).half()
+    pb.general_copy(k, (slice(10, 14), slice(3, 8)),
+                    pb.TorchTensor.create_from_torch(part.to(dev), cpu), None)
+    model[k.name][10:14, 3:8] = part
+    d.synchronize()
+    sub = cpu.allocate((4, 5, 16), np.float16, pin_memory=False)
+    pb.general_copy(sub, None, k, (slice(10, 14), slice(3, 8)))
+    d.synchronize()
+    assert torch.equal(sub.data.cpu(), model[k.name][10:14, 3:8])
+    st = d.stats()
+    if mode == "dual":
+        assert st["plan"]["layers_pagecache"] == [0, 1, 2], st
+    elif mode == "direct":
+        assert st["plan"]["layers_pagecache"] == []
+    else:
+        assert st["evict_from_layer"] is not None and st["evict_from_layer"] <= 3, st
+        # fadvise(DONTNEED) drops clean pages only: once written back, the next write
+        # to an evicted tensor leaves at most the pages it just dirtied
+        from phx.kv import _sys
+        if _sys.cachestat_available():
+            os.sync()
+            row = pb.TorchTensor.create_from_torch(model[k.name][44:45].clone().to(dev), cpu)
+            evicted = [t for kv in caches for t in kv
+                       if t.data.layer >= st["evict_from_layer"]]
+            for t in evicted:
+                pb.general_copy(t, (slice(44, 45), slice(0, 16)), row, None)
+                model[t.name][44:45] = row.data.cpu()
+            d.synchronize()
+            for t in evicted:
+                hit, pages = d.store.cached_pages(t.data)
+                assert pages == 6 and hit <= 2, (t.name, hit, pages)
+    for k, v in caches:
+        k.delete()
+        v.delete()
+    assert d.store.tensors() == []
+    d.close()
+
+
+def test_phxdisk_copy_errors_reach_synchronize(kvdir):
+    """A failing copy (rows outside the tensor) surfaces at synchronize(), where
+    FlexLLMGen waits, instead of dying in a copy thread."""
+    pb = _flexgen()
+    from phx_disk import PhxDisk
+    cpu = pb.TorchDevice("cpu")
+    d = PhxDisk(os.path.join(kvdir, "e"), mode="direct")
+    k, v = d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol)
+    ret = cpu.allocate((50, 16, 16), np.float16, pin_memory=False)
+    pb.general_copy(ret, None, k, (slice(0, 50), slice(0, 16)))
+    with pytest.raises(IndexError):
+        d.synchronize()
+    d.close()
+
+
+def test_phxdisk_overlap_probe_locks_a_strategy():
+    """The adaptive pipeline over FlexLLMGen's copy threads: step 1 unmeasured,
+    step 2 Intra, step 3 Cross (timed), then the faster is locked."""
+    pytest.importorskip("torch")
+    _flexgen()
+    import time
+    from phx_disk import CROSS, INTRA, _Overlap
+    ov = _Overlap()
+    seen = []
+    for step in range(1, 6):
+        for j in range(4):
+            ov.begin_read(j == 0)
+            seen.append(ov.strategy)
+            time.sleep(0.004 if ov.strategy == INTRA else 0.001)
+            ov.end_read(1 << 20)
+    assert seen[:4] == [INTRA] * 4 and seen[4:8] == [INTRA] * 4 and seen[8:12] == [CROSS] * 4
+    assert ov.locked == CROSS and seen[12:] == [CROSS] * 8
+    assert ov.measured[CROSS]["gbps"] > ov.measured[INTRA]["gbps"]
+
+
+# -- the runner's arithmetic and report ---------------------------------------------
+def _conf():
+    return {"model": "facebook/opt-6.7b", "layers": 32, "hidden": 4096, "heads": 32,
+            "batch": 4, "prompt": 512, "gen": 8, "caps": [0.5, 1.2],
+            "configs": ["stock", "cachepolicy", "direct", "dual"]}
+
+
+def test_runner_workload_arithmetic():
+    import run_four as rf
+    c = _conf()
+    assert rf.kv_shape(c) == (519, 128, 128)
+    assert rf.tensor_bytes(c) == 519 * 128 * 128 * 2
+    assert rf.working_set(c) == 64 * rf.tensor_bytes(c)
+    reads = rf.decode_read_bytes(c)
+    assert len(reads) == 7 and reads[0] == 64 * 513 * 4 * 4096 * 2
+    # all cached and compute-bound / nothing cached and I/O-bound
+    assert rf.ideal_decode_s(c, 1.0, 1.0, 1e12, 1e9) == pytest.approx(7.0)
+    assert rf.ideal_decode_s(c, 0.0, 0.0, 1e12, 1e9) == pytest.approx(sum(reads) / 1e9)
+
+
+def _runs(cfg, ids, t, hit=0.5, error=None):
+    return {"config": cfg, "pinned_bytes": 4 << 20, "runs": [
+        {"cap_fraction": f, "cap_bytes": int(f * 100), "prefill_s": t, "decode_s": 2 * t,
+         "hit_rate": hit, "device_read_bytes": 10, "device_write_bytes": 5, "peak_bytes": 1,
+         "output_ids": ids, "error": error, "phx": {"plan": {"layers_pagecache": [0, 1]},
+                                                     "pipeline": {"choice": "overlap-cross"}}}
+        for f in (0.5, 1.2)]}
+
+
+def test_runner_checks_token_ids_and_reports(tmp_path):
+    import run_four as rf
+    c = _conf()
+    ids = [[1, 2, 3]]
+    cal = _runs("dual", ids, 1.0)
+    cal["calibration"] = {"pagecache_read_gbps": 10.0, "dev_read_gbps": 1.0}
+    cal["compute"] = {"decode_step_s": 0.01}
+    res = [_runs("stock", ids, 2.0), _runs("cachepolicy", ids, 1.5),
+           _runs("direct", ids, 1.2), cal]
+    agg = rf.aggregate(res, c)
+    assert agg["ids_identical"] and not agg["checks"]
+    dual = [r for r in agg["rows"] if r["config"] == "dual"]
+    assert dual[0]["decode_vs_stock"] == pytest.approx(0.5)
+    assert dual[0]["ideal_decode_s"] == pytest.approx(rf.ideal_decode_s(c, 0.5, 0.01, 1e10, 1e9))
+    assert dual[0]["n1"] == [2] and dual[0]["pipeline"] == ["overlap-cross"]
+    # one configuration's tokens differ: the run fails the check and leaves the figures
+    res[2] = _runs("direct", [[1, 2, 4]], 1.2)
+    agg = rf.aggregate(res, c)
+    assert not agg["ids_identical"]
+    assert {x["config"] for x in agg["checks"]} == {"direct"}
+    d = [r for r in agg["rows"] if r["config"] == "direct"]
+    assert d[0]["runs"] == 0 and d[0]["decode_s"] is None
+    assert "differ" in rf.table(agg["rows"])
+    png = tmp_path / "f.png"
+    rf.plot(agg["rows"], str(png), c)
+    assert png.stat().st_size > 1000
+
+
+def test_runner_on_a_real_gpu(tmp_path):
+    """The whole runner, tiny: OPT-125M, 2 caps.  Needs CUDA and root."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no usable GPU")
+    _flexgen()
+    if os.geteuid() != 0:
+        pytest.skip("memory cgroups need root")
+    import json
+    import subprocess
+    js = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, os.path.join(ADAPTER, "run_four.py"), "--model",
+                        "facebook/opt-125m", "--batch", "2", "--prompt", "64", "--gen", "4",
+                        "--caps", "0.5,1.2", "--dir", str(tmp_path / "d"), "--json", str(js)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(js.read_text())
+    assert doc["ids_identical"] and len(doc["rows"]) == 8
