@@ -62,6 +62,8 @@ venv: deps $(VPY)
 		|| echo "torch not installed: torch tests will skip"
 	@# transformers: the LMCache replay test builds a small random Llama on the CPU
 	$(VPY) -m pip install -q transformers || echo "transformers not installed: its tests will skip"
+	@# the weight loader's tests: safetensors (reference), fastsafetensors (copier), vllm (plugin; private folder)
+	$(VPY) -m pip install -q safetensors "fastsafetensors==0.5.0" && PYTHON=$(VPY) bash adapters/vllm/tools/vllm-deps.sh install .vllm-site
 	@# flexgen 0.1.8 (FlexLLMGen) for adapters/flexllmgen's tests; --no-deps: its pins
 	@# (pulp, torch) are not needed to import it, attrs is
 	$(VPY) -m pip install -q --no-deps "flexgen==0.1.8" attrs || echo "flexgen not installed: its tests will skip"

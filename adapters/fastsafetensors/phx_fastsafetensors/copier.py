@@ -1,0 +1,142 @@
+"""``PhxCopier``: fastsafetensors' copier interface on phx reads.
+
+fastsafetensors hands a copier one file's metadata; ``submit_io`` allocates
+the device buffer through the framework and starts the reads, ``wait_io``
+waits, checks every byte arrived and returns the tensors (views of the
+buffer, made by fastsafetensors' metadata).  Byte ranges and sub-file chunks
+(``set_byte_ranges`` / ``set_chunk``, used by its planner under
+``max_batch_bytes``) read only the runs asked for.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+from typing import Any
+
+import numpy as np
+from fastsafetensors.copier.base import (CopierInterface, validated_byte_ranges,
+                                         validated_chunk_allocation_size)
+from fastsafetensors.copier.registry import register_copier_constructor
+from fastsafetensors.st_types import DeviceType, DType
+
+import phx
+import phx.gpu
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="phx-fst")
+    return _pool
+
+
+class _DeviceMemory:
+    """GPU memory at an address, for phx.gpu (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr, self.nbytes = ptr, nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "version": 3, "stream": None}
+
+
+class PhxCopier(CopierInterface):
+    """Reads one safetensors file into fastsafetensors' device buffer via phx."""
+
+    def __init__(self, metadata, device, framework):
+        self.metadata = metadata
+        self.device = device
+        self.framework = framework
+        self.byte_ranges: list[tuple[int, int]] | None = None
+        self._names: set[str] | None = None
+        self._alloc: int | None = None
+        self._base = metadata.header_length
+        self._pending: tuple[Any, Any, np.ndarray] | None = None
+
+    def set_byte_ranges(self, byte_ranges):
+        self.byte_ranges = validated_byte_ranges(self.metadata, byte_ranges)
+
+    def set_chunk(self, byte_ranges, names, allocation_size=None):
+        runs = validated_byte_ranges(self.metadata, byte_ranges)
+        self.byte_ranges = runs
+        self._names = set(names)
+        self._alloc = validated_chunk_allocation_size(runs, allocation_size)
+
+    @classmethod
+    def chunk_transient_multiplier(cls, paths) -> int:
+        return 1      # only the chunk's own buffer; staging is phx's fixed pool
+
+    @classmethod
+    def fixed_device_overhead(cls, paths) -> int:
+        return 0      # phx's staging is pinned host memory
+
+    def submit_io(self, use_buf_register: bool, max_copy_block_size: int):
+        md = self.metadata
+        runs = self.byte_ranges
+        if runs is None:
+            runs = [(md.header_length, md.size_bytes)]
+        if self._names is not None:
+            self._base = min((s for s, _ in runs), default=md.header_length)
+            length = self._alloc or (max((e for _, e in runs), default=self._base) - self._base)
+        else:
+            self._base = md.header_length
+            length = md.size_bytes - md.header_length
+        gbuf = self.framework.alloc_tensor_memory(length, self.device)
+        pieces = np.array([(s, s - self._base, e - s) for s, e in runs if e > s],
+                          dtype=np.int64).reshape(-1, 3)
+        f = phx.open(md.src, "r", allow_buffered=True)
+        try:
+            addr = gbuf.get_base_address()
+            if not len(pieces):
+                handle = None
+            elif self.device.type == DeviceType.CPU:
+                host = (ctypes.c_ubyte * max(length, 1)).from_address(addr)
+                handle = _host_pool().submit(f.pread_many, host, pieces[:, 0], pieces[:, 2],
+                                             pieces[:, 1])
+            else:
+                handle = phx.gpu.read_chunks_async(f, _DeviceMemory(addr, length),
+                                                   pieces[:, 0], pieces[:, 1], pieces[:, 2])
+        except BaseException:
+            f.close()
+            self.framework.free_tensor_memory(gbuf, self.device)
+            raise
+        self._pending = (f, handle, pieces)
+        return gbuf
+
+    def finish_io(self) -> None:
+        if self._pending is None:
+            return
+        f, handle, pieces = self._pending
+        self._pending = None
+        try:
+            got = None if handle is None else np.asarray(handle.result(), dtype=np.int64)
+        finally:
+            f.close()
+        if got is not None and (got != pieces[:, 2]).any():
+            i = int(np.flatnonzero(got != pieces[:, 2])[0])
+            raise OSError(5, f"short read: {int(got[i])} of {int(pieces[i, 2])} bytes at "
+                          f"offset {int(pieces[i, 0])} (file truncated?)", self.metadata.src)
+
+    def wait_io(self, gbuf, dtype: DType = DType.AUTO, noalign: bool = False, owner=None):
+        self.finish_io()
+        if self._names is None:
+            return self.metadata.get_tensors(gbuf, self.device, self._base, dtype=dtype,
+                                             owner=owner)
+        # a compact chunk holds only these tensors (fastsafetensors' own
+        # nogds copier uses the same entry point for it)
+        return self.metadata._get_tensors(gbuf, self.device, self._base, dtype=dtype,
+                                          names=self._names, owner=owner)
+
+
+def factory_for(name: str):
+    """Register the phx factory under copier type ``name``."""
+    @register_copier_constructor(name, PhxCopier)
+    def new_phx_copier(device, **kwargs):
+        def construct(metadata, device, framework):
+            return PhxCopier(metadata, device, framework)
+        return construct
+    return new_phx_copier

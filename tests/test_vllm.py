@@ -1,0 +1,213 @@
+"""The vLLM plugin (adapters/vllm) against the real vllm 0.33.0 package on
+the CPU: the ``vllm.general_plugins`` entry point registers ``phx``
+idempotently, ``--load-format phx`` parses into a LoadConfig that
+``get_model_loader`` answers with our class, and ``load_weights`` feeds a
+small model (through vLLM's own ``AutoWeightsLoader`` and weight loaders,
+one of them a tensor-parallel narrow) with every tensor byte-exact; a
+corrupt checkpoint fails the load.
+
+vllm lives in a private folder (``make venv``: adapters/vllm/tools/
+vllm-deps.sh -> .vllm-site, or ``PHX_VLLM_SITE``) because it pins another
+torch; each test runs in a fresh interpreter with that folder on its path
+and ``VLLM_TARGET_DEVICE=cpu`` (the wheel's CUDA build finds no GPU here).
+What does not run here: vLLM serving a model on a GPU (docs/loader.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+from test_loader import rand_tensor  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.environ.get("PHX_VLLM_SITE") or os.path.join(ROOT, ".vllm-site")
+if not os.path.isdir(os.path.join(SITE, "vllm")):
+    pytest.skip(f"vllm not installed in {SITE} (make venv installs it there: "
+                "adapters/vllm/tools/vllm-deps.sh)", allow_module_level=True)
+
+PRELUDE = textwrap.dedent(r"""
+    import json, logging, sys
+    import torch
+""")
+
+
+def run_vllm(code: str, *args: str, **extra_env: str) -> dict:
+    """Run ``code`` with vllm importable; it prints one JSON line last."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING", **extra_env,
+               PYTHONPATH=os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), SITE) if p]))
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_registers_phx_idempotently():
+    out = run_vllm(r"""
+        import importlib.metadata as md
+        eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "phx"]
+        msgs = []
+        class H(logging.Handler):
+            def emit(self, rec):
+                msgs.append(rec.getMessage())
+        logging.getLogger("vllm").addHandler(H())
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.model_executor import model_loader as ml
+        cls = ml._LOAD_FORMAT_TO_MODEL_LOADER.get("phx")
+        import phx_vllm
+        phx_vllm.register(); phx_vllm.register()
+        again = ml._LOAD_FORMAT_TO_MODEL_LOADER.get("phx")
+        print(json.dumps({"eps": eps, "cls": cls and f"{cls.__module__}.{cls.__name__}",
+                          "same": cls is again,
+                          "overwritten": [m for m in msgs if "overwritten" in m]}))
+    """)
+    assert out["eps"] == ["phx_vllm:register"]
+    assert out["cls"] == "phx_vllm.loader.PhxModelLoader"
+    assert out["same"] and not out["overwritten"], out
+
+
+@pytest.mark.parametrize("setting", ["1", ""])
+def test_phx_fastsafetensors_setting_switches_vllm_fastsafetensors(setting):
+    """PHX_FASTSAFETENSORS=1: the plugin puts phx's copier under the names
+    vLLM's --load-format fastsafetensors asks for (nogds, gds); unset: not."""
+    out = run_vllm(r"""
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from fastsafetensors.copier.registry import get_copier_class
+        print(json.dumps({k: get_copier_class(k).__name__ for k in ("nogds", "gds")}))
+    """, PHX_FASTSAFETENSORS=setting)
+    if setting:
+        assert out == {"nogds": "PhxCopier", "gds": "PhxCopier"}
+    else:
+        assert "PhxCopier" not in out.values(), out
+
+
+def test_load_format_phx_on_the_command_line():
+    out = run_vllm(r"""
+        import phx_vllm
+        phx_vllm.register()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.model_executor.model_loader import get_model_loader
+        def loader_for(extra):
+            p = FlexibleArgumentParser()
+            EngineArgs.add_cli_args(p)
+            a = p.parse_args(["--model", "/nowhere", "--load-format", "phx",
+                              "--model-loader-extra-config", extra])
+            return get_model_loader(EngineArgs.from_cli_args(a).create_load_config())
+        ld = loader_for('{"group_bytes": 65536, "progress": false}')
+        try:
+            loader_for('{"bogus": 1}')
+            err = None
+        except ValueError as e:
+            err = str(e)
+        print(json.dumps({"cls": type(ld).__name__, "fmt": ld.load_config.load_format,
+                          "extra": ld.extra, "err": err}))
+    """)
+    assert out["cls"] == "PhxModelLoader" and out["fmt"] == "phx"
+    assert out["extra"] == {"group_bytes": 65536, "progress": False}
+    assert out["err"] and "bogus" in out["err"]
+
+
+MODEL = r"""
+    import phx_vllm
+    phx_vllm.register()
+    from types import SimpleNamespace
+    from torch import nn
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(48, 40, bias=True, dtype=torch.bfloat16)
+            # a column-parallel weight as vLLM keeps it: rank 1 of 2 of the rows
+            self.up = nn.Parameter(torch.empty(32, 48, dtype=torch.bfloat16), requires_grad=False)
+            def narrow(param, loaded):
+                param.data.copy_(loaded.narrow(0, 32, 32))
+            self.up.weight_loader = narrow
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 48, dtype=torch.bfloat16)
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.norm = nn.Parameter(torch.empty(48, dtype=torch.float32), requires_grad=False)
+        def load_weights(self, weights):
+            return AutoWeightsLoader(self).load_weights(weights)
+
+    path = sys.argv[1]
+    model = Tiny()
+    ld = get_model_loader(LoadConfig(load_format="phx",
+                                     model_loader_extra_config={"group_bytes": 4096}))
+    cfg = SimpleNamespace(model=path, revision=None, quantization=None)
+    res = {}
+    try:
+        ld.download_model(cfg)
+        ld.load_weights(model, cfg)
+        out = {n: p.detach().contiguous().view(-1).view(torch.uint8).tolist()
+               for n, p in model.named_parameters()}
+        res = {"params": out}
+    except Exception as e:
+        res = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(res))
+"""
+
+
+def _checkpoint(d, rng, drop=None):
+    sd = {"embed.weight": rand_tensor(rng, (100, 48), torch.bfloat16),
+          "norm": rand_tensor(rng, (48,), torch.float32)}
+    for i in range(2):
+        sd[f"layers.{i}.proj.weight"] = rand_tensor(rng, (40, 48), torch.bfloat16)
+        sd[f"layers.{i}.proj.bias"] = rand_tensor(rng, (40,), torch.bfloat16)
+        sd[f"layers.{i}.up"] = rand_tensor(rng, (64, 48), torch.bfloat16)
+    if drop:
+        sd.pop(drop)
+    names = sorted(sd)
+    wm = {}
+    for s, part in enumerate((names[0::2], names[1::2])):
+        fname = f"model-{s + 1:05d}-of-00002.safetensors"
+        st.save_file({k: sd[k] for k in part}, os.path.join(d, fname))
+        wm.update({k: fname for k in part})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    return sd
+
+
+def _bytes(t) -> list[int]:
+    return t.contiguous().view(-1).view(torch.uint8).tolist()
+
+
+def test_load_weights_feeds_a_small_model(data_dir, rng):
+    sd = _checkpoint(data_dir, rng)
+    out = run_vllm(MODEL, data_dir)
+    assert "params" in out, out
+    got = out["params"]
+    assert sorted(got) == sorted(sd)
+    for name, t in sd.items():
+        want = t.narrow(0, 32, 32) if name.endswith(".up") else t
+        assert got[name] == _bytes(want), name
+
+
+def test_load_weights_missing_or_corrupt(data_dir, rng):
+    _checkpoint(data_dir, rng, drop="norm")
+    out = run_vllm(MODEL, data_dir)
+    assert "error" in out and "norm" in out["error"], out
+    bad = os.path.join(data_dir, "model-00002-of-00002.safetensors")
+    os.truncate(bad, os.path.getsize(bad) - 10)
+    out = run_vllm(MODEL, data_dir)
+    assert out.get("error", "").startswith("CheckpointError") and bad in out["error"], out
+    os.unlink(bad)
+    for f in os.listdir(data_dir):
+        os.unlink(os.path.join(data_dir, f))
+    out = run_vllm(MODEL, data_dir)
+    assert "no *.safetensors" in out.get("error", ""), out
