@@ -5,7 +5,7 @@ PHX_GUEST := $(PYTHON) tests/guest/phxguest.py
 PHX_GUEST_NVME ?= size=512M,lba=4096,mdts=7
 PHX_GUEST_IVSHMEM ?= 256M
 
-.PHONY: test-guest-phx test-guest-p2pdma
+.PHONY: test-guest-phx test-guest-p2pdma test-guest-next test-guest-races
 
 # phx.ko on Debian's 6.12 kernel (MEMORY_DEVICE_GENERIC pages).
 test-guest-phx: build
@@ -19,4 +19,19 @@ test-guest-p2pdma:
 	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel p2pdma \
 		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
 
-test-guest:: test-guest-phx
+# The same suite on Debian's newest kernel of trixie-backports (7.3 when
+# written: >= 6.15 refcount rules, .folio_free, CONFIG_PCI_P2PDMA=y, so the
+# PCIBAR tests run on P2PDMA pages of the ivshmem device bound to phx).
+# ~300 MB of packages and a 10 s modules_prepare on first use, cached.
+test-guest-next:
+	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel debian-next \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
+
+# The race tests at 1000 iterations each (CI runs 100: ~12 s a race in
+# TCG, so this target takes ~25 min in the guest).
+test-guest-races:
+	PHX_SUITE_RACE_ITERS=1000 PHX_SUITE_NVCB_ROUNDS=50 \
+	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel $(or $(PHX_GUEST_KERNEL),debian) \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM) --timeout 3600
+
+test-guest:: test-guest-phx test-guest-next

@@ -245,7 +245,6 @@ def debian_next_kernel(jobs):
             raise SystemExit(f"prepared tree says {rel}, the kernel is {kver}")
         # merged /usr: modules live in usr/lib/modules
         run(["depmod", "-b", str(root / "usr"), kver])
-        shutil.rmtree(src)
         stamp.touch()
     moddir = root / "usr/lib/modules" / kver
     return Kernel("debian-next", kver, moddir / "vmlinuz", out, moddir, make_args=("CC=gcc",))
