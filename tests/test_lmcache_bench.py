@@ -102,3 +102,14 @@ def test_report_and_plot_from_results(tmp_path, capsys):
     assert "phx" in out and "2.62" in out and "sessions <= 5.0 s" in out
     bench._plot(summary, rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_replay_charges_every_method_the_same_prefill():
+    """The first method measured pays the model's warm-up; TTFTs must not."""
+    from phx.bench._lmcache_replay import _common_prefill
+    mk = lambda pre: {"service": [[{"load_s": 0.01, "prefill_s": p} for p in pre]]}
+    rs = [mk([0.30, 0.20]), mk([0.03, 0.02]), mk([0.04, 0.03])]
+    _common_prefill(rs)
+    for r in rs:
+        assert [q["prefill_s"] for q in r["service"][0]] == [0.04, 0.03]
+    assert rs[0]["service"][0][0]["prefill_s_measured"] == 0.30
