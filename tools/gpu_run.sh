@@ -94,7 +94,6 @@ chunks() {
 
 probe() {	# stream-ordered ops timed one by one (tools/stream_probe.py), zram then disk
 	log probe
-	timeout 60 python3 tools/cuda_micro.py 2>&1 | tee -a "$LOG"
 	local id
 	id=$(zram_up 6G)
 	PROBE_LATENCY_ONLY=1 timeout 200 python3 tools/stream_probe.py /mnt/phx-tune$id/probe.bin --ops 48 \

@@ -110,36 +110,6 @@ def latency(path, cfg, sizes):
     return out
 
 
-def cuda_micro():
-    """Host function round trips and a host-raised cuStreamWaitValue32, raw."""
-    import ctypes
-    import threading
-    lib = ctypes.CDLL("libcuda.so.1")
-    s = torch.cuda.Stream()
-    CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-    hits = []
-    cb = CB(lambda _a: hits.append(time.perf_counter()))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        assert lib.cuLaunchHostFunc(ctypes.c_void_p(s.cuda_stream), cb, None) == 0
-    s.synchronize()
-    hf = (time.perf_counter() - t0) / 20 * 1e3
-    flag = torch.zeros(1, dtype=torch.int32).pin_memory()
-    lat = []
-    for k in range(1, 6):
-        assert lib.cuStreamWaitValue32(ctypes.c_void_p(s.cuda_stream), ctypes.c_uint64(flag.data_ptr()),
-                                       ctypes.c_uint32(k), 0) == 0
-        ev = torch.cuda.Event()
-        ev.record(s)
-        time.sleep(0.01)
-        t = time.perf_counter()
-        flag[0] = k
-        ev.synchronize()
-        lat.append((time.perf_counter() - t) * 1e3)
-    return {"hostfn_ms_each": hf, "waitvalue_release_ms": [round(x, 3) for x in lat]}
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("file")
@@ -160,12 +130,6 @@ def main():
         "lanes4": {"lanes": 4},
     }
     out = []
-    try:
-        r = cuda_micro()
-    except Exception as e:  # noqa: BLE001
-        r = {"cuda_micro_error": repr(e)}
-    print(json.dumps(r), flush=True)
-    out.append(r)
     r = latency(a.file, {}, [4096, 1 << 20, 16 << 20])
     print(json.dumps(r), flush=True)
     out.append(r)
