@@ -113,3 +113,12 @@ def test_replay_charges_every_method_the_same_prefill():
     for r in rs:
         assert [q["prefill_s"] for q in r["service"][0]] == [0.04, 0.03]
     assert rs[0]["service"][0][0]["prefill_s_measured"] == 0.30
+
+
+def test_chunk_rows_zram_holds_every_method_side_by_side():
+    """4 methods x 32 chunks of 32 MiB are resident at once: a 4 GiB zram
+    (what ran out of room on the H200) is grown to fit them."""
+    import argparse
+    from phx.bench.lmcache import _chunk_room
+    a = argparse.Namespace(tokens=256, chunks=32, methods="phx,cufile,host-odirect,host-buffered")
+    assert _chunk_room(a) >= 4 * 32 * (32 << 20)

@@ -135,6 +135,16 @@ def _row(m, src, dst, n: int, nlat: int, order: list[int]) -> dict[str, Any]:
             "byte_exact": exact, "cache_dropped": dropped}
 
 
+def _chunk_room(args) -> int:
+    """Bytes the chunk rows need on one filesystem: all methods' chunks at
+    once (they are measured interleaved), plus a quarter for ext4 and slack."""
+    from phx.bench._lmcache_methods import llama3_8b_chunk_shape
+    t, layers, tok, width = llama3_8b_chunk_shape(args.tokens)
+    chunk = t * layers * tok * width * 2
+    methods = len([x for x in args.methods.split(",") if x])
+    return int(methods * args.chunks * chunk * 1.25) + (256 << 20)
+
+
 def chunk_rows(args, device: str, directory: str, results: list, notes: dict) -> None:
     import torch
     from phx.bench._lmcache_methods import GPUPool, llama3_8b_chunk_shape
@@ -252,6 +262,9 @@ def run(args) -> int:
     zram_cm = None
     if args.zram:
         size = parse_size(args.zram)
+        if "chunks" in modes:
+            # every method keeps its chunks side by side for the whole run
+            size = max(size, _chunk_room(args))
         bad = _zram.unavailable(size)
         if bad:
             notes["zram"] = bad
