@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu": ("phx.bench.gpu", "file <-> GPU GB/s: phx Co-DMA vs raw O_DIRECT, naive staging, KvikIO"),
     "nvme": ("phx.bench.nvme", "NVMe namespace: io_uring passthrough vs O_DIRECT block device vs buffered"),
     "lmcache": ("phx.bench.lmcache", "LMCache KV tiers on a GPU: GDS L1 phx vs cufile vs host-staged disk, agentic replay"),
+    "load": ("phx.bench.load", "safetensors checkpoint -> GPU: phx.loader vs safetensors vs fastsafetensors vs raw O_DIRECT"),
 }
 
 

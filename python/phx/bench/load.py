@@ -1,0 +1,479 @@
+"""``phx bench load``: a safetensors checkpoint into GPU (or host) memory,
+phx.loader against the ways vLLM users load weights today.
+
+The checkpoint is synthetic and Llama-3-8B-shaped (embedding, 32 layers of
+q/k/v/o, gate/up/down and two norms, final norm, lm_head; random bf16;
+``--shards`` files with a ``model.safetensors.index.json``), 16.06 GB: any
+``--size`` within 10 % of that gives exactly its shapes, a smaller one scales
+every dimension down, a larger one adds layers, to about that many bytes.  Methods, each in a fresh subprocess (so peak RSS and CPU time
+are its own), page cache dropped before every row:
+
+* ``phx``          ``phx.loader.load_file(index, device)``
+* ``st``           ``safetensors.torch.load_file(shard, device=device)`` per shard
+* ``st-cpu``       the same to the CPU, then ``.to(device)`` (GPU only)
+* ``fst-nogds``    fastsafetensors ``SafeTensorsFileLoader(nogds=True)``
+* ``fst-phx``      the same after ``phx_fastsafetensors.replace()``: phx's copier
+* ``raw``          O_DIRECT ``preadv`` of the same files into host memory,
+                   ``--raw-threads`` threads, 16 MiB requests: what the device gives
+
+Reported: seconds until every tensor is on the device, GB/s, CPU seconds
+(user + system of the process, getrusage), peak RSS and its growth over the
+process's state just before loading (after imports and CUDA start-up), and
+whether every tensor's bytes equal the checkpoint's (BLAKE2 of each tensor,
+against digests taken when it was written).  Rows run on ``--dir`` (the
+disk) and, with ``--zram SIZE``, on a fresh zram block device with ext4.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import math
+import mmap
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size, progress,
+                               storage_description, write_json)
+
+MiB, GiB = 1 << 20, 1 << 30
+METHODS = ("phx", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
+LLAMA3_8B = {"vocab": 128256, "hidden": 4096, "inter": 14336, "layers": 32, "kv": 1024}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None,
+                   help="where the checkpoint is written (default $PHX_BENCH_DIR or .)")
+    p.add_argument("--zram", metavar="SIZE", default=None,
+                   help="also run on a zram device of SIZE with ext4 (root; >= the checkpoint)")
+    p.add_argument("--no-disk", action="store_true", help="only the zram rows")
+    p.add_argument("--size", default="16G", help="checkpoint size (default 16G, Llama-3-8B)")
+    p.add_argument("--shards", type=int, default=4, help="safetensors files (default 4)")
+    p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ",".join(METHODS))
+    p.add_argument("--repeat", type=int, default=2, help="repeats per row (default 2)")
+    p.add_argument("--raw-threads", default="16", help="thread counts for raw (best is shown)")
+    p.add_argument("--keep", action="store_true", help="reuse a checkpoint already in --dir")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per method run")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-threads", type=int, default=16, help=argparse.SUPPRESS)
+
+
+# ---------------------------------------------------------------------------
+# the synthetic checkpoint
+# ---------------------------------------------------------------------------
+
+def llama_shapes(size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and shapes of a Llama-3-8B-like model of about ``size`` bf16 bytes."""
+    def layout(vocab, hidden, inter, layers, kv):
+        out = [("model.embed_tokens.weight", (vocab, hidden))]
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            out += [(p + "self_attn.q_proj.weight", (hidden, hidden)),
+                    (p + "self_attn.k_proj.weight", (kv, hidden)),
+                    (p + "self_attn.v_proj.weight", (kv, hidden)),
+                    (p + "self_attn.o_proj.weight", (hidden, hidden)),
+                    (p + "mlp.gate_proj.weight", (inter, hidden)),
+                    (p + "mlp.up_proj.weight", (inter, hidden)),
+                    (p + "mlp.down_proj.weight", (hidden, inter)),
+                    (p + "input_layernorm.weight", (hidden,)),
+                    (p + "post_attention_layernorm.weight", (hidden,))]
+        return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+    def nbytes(shapes):
+        return sum(2 * math.prod(s) for _, s in shapes)
+
+    L = LLAMA3_8B
+    full = layout(L["vocab"], L["hidden"], L["inter"], L["layers"], L["kv"])
+    if 0.9 * nbytes(full) <= size <= 1.1 * nbytes(full):
+        return full            # "16G" (binary or not): the real model's shapes
+    if size > nbytes(full):
+        per_layer = nbytes(layout(0, L["hidden"], L["inter"], 1, L["kv"]))
+        extra = (size - nbytes(full)) // per_layer
+        return layout(L["vocab"], L["hidden"], L["inter"], L["layers"] + extra, L["kv"])
+    def scaled(s):
+        def r64(x):
+            return max(64, int(round(x / 64)) * 64)
+        hidden = r64(L["hidden"] * s)
+        return layout(r64(L["vocab"] * s), hidden, r64(hidden * 3.5), L["layers"],
+                      max(64, hidden // 4))
+    lo, hi = 0.0, 1.0          # bytes grow with the scale: bisect for it
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if nbytes(scaled(mid)) <= size else (lo, mid)
+    return min((scaled(lo), scaled(hi)), key=lambda sh: abs(nbytes(sh) - size))
+
+
+def digest(buf) -> str:
+    return hashlib.blake2b(memoryview(buf).cast("B"), digest_size=16).hexdigest()
+
+
+def write_checkpoint(d: str, size: int, shards: int, seed: int, show: bool) -> dict[str, str]:
+    """Write the checkpoint into ``d``; return {tensor: digest of its bytes}."""
+    import torch
+    from safetensors.torch import save_file
+    shapes = llama_shapes(size)
+    total = sum(2 * math.prod(s) for _, s in shapes)
+    g = torch.Generator().manual_seed(seed)
+    per = total / shards
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(shards)]
+    acc = 0
+    for name, shp in shapes:
+        groups[min(shards - 1, int(acc // per))].append((name, shp))
+        acc += 2 * math.prod(shp)
+    digests: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    bar = progress(total, "writing checkpoint", show, unit="B")
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for name, shp in group:
+            n = math.prod(shp)
+            words = torch.empty((n * 2 + 7) // 8, dtype=torch.int64)
+            words.random_(generator=g)
+            t = words.view(torch.uint8)[:n * 2].view(torch.bfloat16).reshape(shp)
+            part[name] = t
+            digests[name] = digest(t.view(-1).view(torch.uint8).numpy())
+            weight_map[name] = fname
+        save_file(part, os.path.join(d, fname))
+        bar.update(sum(2 * math.prod(s) for _, s in group))
+        del part
+    bar.close()
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(d, "digests.json"), "w") as f:
+        json.dump(digests, f)
+    return digests
+
+
+def compare(ref: dict[str, str], got: dict[str, str]) -> str:
+    """'ok', or what differs (missing, extra, wrong bytes)."""
+    missing = sorted(set(ref) - set(got))
+    extra = sorted(set(got) - set(ref))
+    wrong = sorted(k for k in set(ref) & set(got) if ref[k] != got[k])
+    if not (missing or extra or wrong):
+        return "ok"
+    parts = []
+    for what, names in (("missing", missing), ("extra", extra), ("wrong bytes", wrong)):
+        if names:
+            parts.append(f"{len(names)} {what} (e.g. {names[0]})")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# the methods (run in a worker subprocess)
+# ---------------------------------------------------------------------------
+
+def _shards(d: str) -> list[str]:
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        return [os.path.join(d, x) for x in dict.fromkeys(json.load(f)["weight_map"].values())]
+
+
+def _raw(d: str, threads: int) -> tuple[float, int]:
+    """O_DIRECT preadv of every shard in 16 MiB requests by ``threads`` threads,
+    one reused buffer each (host memory, no GPU)."""
+    block = 16 * MiB
+    work = []
+    for p in _shards(d):
+        size = os.path.getsize(p)
+        work += [(p, o, min(block, size - o)) for o in range(0, size, block)]
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in _shards(d)}
+    errs: list[BaseException] = []
+    done = [0] * threads
+
+    def run(i):
+        buf = mmap.mmap(-1, block)
+        mv = memoryview(buf)
+        try:
+            for p, o, n in work[i::threads]:
+                # O_DIRECT wants whole blocks: the file's tail is read whole, short
+                want = (n + 4095) & ~4095
+                got = os.preadv(fds[p], [mv[:want]], o)
+                if got < n:
+                    raise OSError(5, f"short read at {o}", p)
+                done[i] += n
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+        finally:
+            mv.release()
+            buf.close()
+
+    th = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    dt = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    if errs:
+        raise errs[0]
+    return dt, sum(done)
+
+
+def _load(method: str, d: str, device: str) -> dict[str, Any]:
+    """Run ``method``; returns the tensors (and what keeps them alive)."""
+    if method == "phx":
+        from phx import loader
+        return {"tensors": loader.load_file(os.path.join(d, "model.safetensors.index.json"),
+                                            device)}
+    if method in ("st", "st-cpu"):
+        from safetensors.torch import load_file
+        out = {}
+        for p in _shards(d):
+            if method == "st":
+                out.update(load_file(p, device=device))
+            else:
+                out.update({k: v.to(device) for k, v in load_file(p).items()})
+        return {"tensors": out}
+    if method in ("fst-nogds", "fst-phx"):
+        if method == "fst-phx":
+            import phx_fastsafetensors
+            phx_fastsafetensors.replace()
+        from fastsafetensors import SafeTensorsFileLoader
+        ld = SafeTensorsFileLoader(None, device, nogds=True)
+        ld.add_filenames({0: _shards(d)})
+        fb = ld.copy_files_to_device()
+        return {"tensors": {k: fb.get_tensor(k) for k in ld.get_keys()}, "keep": (ld, fb)}
+    raise ValueError(f"unknown method {method}")
+
+
+def _usage() -> tuple[float, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
+    """One measured run in this (fresh) process."""
+    if method == "raw":
+        cpu0, _ = _usage()
+        base = _rss()
+        dt, n = _raw(d, threads)
+        cpu1, peak = _usage()
+        return {"seconds": dt, "bytes": n, "cpu_s": cpu1 - cpu0, "peak_rss": peak,
+                "extra_rss": peak - base, "digests": None}
+    import torch
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)          # CUDA start-up is not the loader's
+        torch.cuda.synchronize()
+    import safetensors.torch  # noqa: F401   (imports are not timed)
+    if method.startswith("fst"):
+        import fastsafetensors  # noqa: F401
+    if method == "phx" or method == "fst-phx":
+        import phx.gpu  # noqa: F401
+        import phx.loader  # noqa: F401
+    base = _rss()
+    cpu0, _ = _usage()
+    t0 = time.perf_counter()
+    res = _load(method, d, device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    cpu1, peak = _usage()
+    tensors = res["tensors"]
+    n = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def dig(item):
+        k, t = item
+        host = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        return k, digest(host.numpy())
+    with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as ex:
+        digests = dict(ex.map(dig, tensors.items()))
+    return {"seconds": dt, "bytes": n, "cpu_s": cpu1 - cpu0, "peak_rss": peak,
+            "extra_rss": peak - base, "digests": digests}
+
+
+def run_worker(args) -> int:
+    out = worker(args.worker, args.worker_path, args.device, args.worker_threads)
+    sys.stdout.write("\nPHX-BENCH-RESULT " + json.dumps(out) + "\n")
+    return 0
+
+
+def _spawn(method: str, d: str, device: str, threads: int, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "phx", "bench", "load", "--worker", method,
+           "--worker-path", d, "--device", device, "--worker-threads", str(threads)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("PHX-BENCH-RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    err = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit {p.returncode}: {err[:300]}"}
+
+
+# ---------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        import phx.gpu
+        if torch.cuda.is_available() and phx.gpu.is_available()[0]:
+            return "cuda"
+    except Exception:  # noqa: BLE001
+        pass
+    return "cpu"
+
+
+def _methods(spec: str, device: str) -> list[str]:
+    ms = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in ms if m not in METHODS]
+    if bad:
+        raise SystemExit(f"phx bench load: unknown methods {bad} (known: {', '.join(METHODS)})")
+    if device == "cpu" and "st-cpu" in ms:
+        ms.remove("st-cpu")          # identical to st on the CPU
+    return ms
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f.endswith((".safetensors", ".json")):
+            shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+
+
+def _rows_for(where: str, d: str, methods, device, args, ref, bar) -> list[dict[str, Any]]:
+    rows = []
+    threads = [int(x) for x in args.raw_threads.split(",") if x]
+    runs: list[tuple[str, int]] = []
+    for m in methods:
+        runs += [(m, t) for t in threads] if m == "raw" else [(m, 0)]
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {r: [] for r in runs}
+    for _ in range(args.repeat):
+        order = list(runs)
+        random.shuffle(order)          # no method always follows another
+        for m, t in order:
+            warm = not drop_caches()
+            r = _spawn(m, d, device, t or 16, args.timeout)
+            r["warm"] = warm
+            if "error" not in r and r.get("digests") is not None:
+                r["check"] = compare(ref, r.pop("digests"))
+            elif "error" not in r:
+                r.pop("digests", None)
+                r["check"] = "bytes only" if r["bytes"] == sum(
+                    os.path.getsize(p) for p in _shards(d)) else "short"
+            results[(m, t)].append(r)
+            bar.update(1)
+    for (m, t), rs in results.items():
+        ok = [r for r in rs if "error" not in r]
+        row: dict[str, Any] = {"where": where, "method": m if m != "raw" else f"raw ({t}t)",
+                               "runs": rs}
+        if ok:
+            secs, spread = median_spread([r["seconds"] for r in ok])
+            row.update(seconds=secs, spread=spread, bytes=ok[0]["bytes"],
+                       gbps=ok[0]["bytes"] / secs / 1e9,
+                       cpu_s=median_spread([r["cpu_s"] for r in ok])[0],
+                       peak_rss=max(r["peak_rss"] for r in ok),
+                       extra_rss=max(r["extra_rss"] for r in ok),
+                       check=("ok" if all(r["check"] in ("ok", "bytes only") for r in ok)
+                              else next(r["check"] for r in ok
+                                        if r["check"] not in ("ok", "bytes only"))),
+                       warm=any(r["warm"] for r in ok))
+        if len(ok) < len(rs):
+            row["error"] = next(r["error"] for r in rs if "error" in r)
+        rows.append(row)
+    best_raw = max((r for r in rows if r["method"].startswith("raw") and "gbps" in r),
+                   key=lambda r: r["gbps"], default=None)
+    for r in rows:
+        if best_raw is not None and "gbps" in r:
+            r["vs_raw"] = r["gbps"] / best_raw["gbps"]
+    return rows
+
+
+def _print(rows, device) -> None:
+    print(fmt_table(
+        ["where", "method", "s", "GB/s", "spread", "x raw", "CPU s", "peak RSS MiB",
+         "extra RSS MiB", "check"],
+        [[r["where"], r["method"], r.get("seconds", float("nan")), r.get("gbps", float("nan")),
+          f"{r.get('spread', 0) * 100:.0f}%", r.get("vs_raw", float("nan")),
+          r.get("cpu_s", float("nan")), (r.get("peak_rss") or 0) / MiB,
+          (r.get("extra_rss") or 0) / MiB,
+          r.get("check", r.get("error", "?")) + (" (warm)" if r.get("warm") else "")]
+         for r in rows]))
+    for where in dict.fromkeys(r["where"] for r in rows):
+        by = {r["method"]: r for r in rows if r["where"] == where and "gbps" in r}
+        if "phx" not in by:
+            continue
+        line = [f"{where}: phx"]
+        raws = [r for m, r in by.items() if m.startswith("raw")]
+        if raws:
+            line.append(f"{by['phx']['gbps'] / max(r['gbps'] for r in raws):.2f}x raw")
+        for m in ("fst-nogds", "st", "st-cpu"):
+            if m in by:
+                line.append(f"{by['phx']['gbps'] / by[m]['gbps']:.2f}x {m}")
+        print(", ".join(line) + f" (to {device})")
+
+
+def run(args) -> int:
+    if args.worker:
+        return run_worker(args)
+    device = args.device or _default_device()
+    methods = _methods(args.methods, device)
+    base = os.path.abspath(args.dir or os.environ.get("PHX_BENCH_DIR") or ".")
+    ckpt = os.path.join(base, "phx-bench-load")
+    size = parse_size(args.size)
+    if os.geteuid() != 0:
+        print("phx bench load: not root: the page cache cannot be dropped, rows are warm",
+              file=sys.stderr)
+    if args.keep and os.path.exists(os.path.join(ckpt, "digests.json")):
+        with open(os.path.join(ckpt, "digests.json")) as f:
+            ref = json.load(f)
+    else:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        os.makedirs(ckpt)
+        ref = write_checkpoint(ckpt, size, args.shards, 1234, not args.quiet)
+    total = sum(os.path.getsize(p) for p in _shards(ckpt))
+    places = [] if args.no_disk else [("disk", ckpt)]
+    nrows = sum(len(args.raw_threads.split(",")) if m == "raw" else 1 for m in methods)
+    rows: list[dict[str, Any]] = []
+    bar = progress(nrows * args.repeat * (len(places) + bool(args.zram)), "phx bench load",
+                   not args.quiet)
+    try:
+        for where, d in places:
+            rows += _rows_for(where, d, methods, device, args, ref, bar)
+        if args.zram:
+            from phx.bench._zram import unavailable, zram_ext4
+            zsize = parse_size(args.zram)
+            why = unavailable(zsize)
+            if why is None and zsize < total * 1.05 + 64 * MiB:
+                why = f"{args.zram} is too small for the {total / GiB:.1f} GiB checkpoint"
+            if why:
+                print(f"phx bench load: no zram rows: {why}", file=sys.stderr)
+            else:
+                with zram_ext4(zsize) as z:
+                    zd = os.path.join(z.mountpoint, "ckpt")
+                    _copy_tree(ckpt, zd)
+                    rows += _rows_for("zram", zd, methods, device, args, ref, bar)
+    finally:
+        bar.close()
+    _print(rows, device)
+    write_json(args.json, {
+        "benchmark": "load", "device": device, "checkpoint_bytes": total,
+        "tensors": len(ref), "shards": args.shards, "repeat": args.repeat,
+        "storage": storage_description(ckpt), "rows": rows})
+    bad = [r for r in rows if r.get("check") not in ("ok", "bytes only")]
+    for r in bad:
+        print(f"phx bench load: {r['where']} {r['method']}: "
+              f"{r.get('check') or r.get('error')}", file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,84 @@
+"""``phx bench load`` on this box (CPU targets): the synthetic Llama-3-8B
+checkpoint's shapes, every method runs and its tensors are checked against
+the checkpoint's digests (and a flipped byte is caught), disk and zram rows,
+the JSON document.  Its GPU rows run on the H200 (tools/loader_gpu_run.sh).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from phx.bench import load as bench  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_llama_shapes_scale_to_the_size():
+    full = bench.llama_shapes(16 << 30)
+    names = [n for n, _ in full]
+    assert sum(".mlp.down_proj.weight" in n for n in names) == 32
+    assert dict(full)["model.embed_tokens.weight"] == (128256, 4096)
+    assert dict(full)["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
+    assert abs(sum(2 * math.prod(s) for _, s in full) - 16.06e9) < 0.01e9
+    for size in (32 * MiB, 1 << 30, 8 << 30, 20 << 30):
+        got = sum(2 * math.prod(s) for _, s in bench.llama_shapes(size))
+        assert 0.7 * size < got < 1.3 * size, (size, got)
+
+
+def test_compare():
+    ref = {"a": "1", "b": "2", "c": "3"}
+    assert bench.compare(ref, dict(ref)) == "ok"
+    out = bench.compare(ref, {"a": "1", "b": "x", "d": "4"})
+    assert "1 missing (e.g. c)" in out and "1 extra (e.g. d)" in out and "1 wrong bytes (e.g. b)" in out
+
+
+def _bench(args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "phx", "bench", "load", "--quiet", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_load_cpu_all_methods_disk_and_zram(data_dir):
+    out = os.path.join(data_dir, "r.json")
+    args = ["--size", "24m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
+            "--json", out]
+    if os.geteuid() == 0:
+        args += ["--zram", "128m"]
+    r = _bench(args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.load(open(out))
+    assert doc["benchmark"] == "load" and doc["device"] == "cpu" and doc["shards"] == 4
+    wheres = ["disk", "zram"] if os.geteuid() == 0 else ["disk"]
+    for where in wheres:
+        rows = {x["method"]: x for x in doc["rows"] if x["where"] == where}
+        assert sorted(rows) == sorted(["phx", "st", "fst-nogds", "fst-phx", "raw (16t)"]), rows
+        for m, x in rows.items():
+            assert x["check"] in ("ok", "bytes only"), (where, m, x)
+            assert x["bytes"] >= doc["checkpoint_bytes"] * 0.99
+            assert x["gbps"] > 0 and x["cpu_s"] >= 0 and x["peak_rss"] > 0
+        assert rows["phx"]["check"] == "ok" and "vs_raw" in rows["phx"]
+    assert "phx" in r.stdout and "x raw" in r.stdout
+
+
+def test_bench_load_catches_a_flipped_byte(data_dir):
+    r = _bench(["--size", "8m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
+                "--methods", "st"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = os.path.join(data_dir, "phx-bench-load")
+    shard = os.path.join(d, "model-00002-of-00004.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    r = _bench(["--size", "8m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
+                "--methods", "phx,st", "--keep"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "wrong bytes" in r.stderr and "disk phx" in r.stderr and "disk st" in r.stderr
