@@ -38,4 +38,5 @@ checkpatch:
 		tar -x -C $(PHX_GUEST_CACHE)/src --wildcards 'linux-source-6.12/scripts/*'; \
 	fi
 	cd kernel && perl $(PHX_CHECKPATCH) --strict --no-tree -f \
-		$$(ls *.c *.h include/uapi/*.h) Kbuild Makefile
+		$$(ls *.c *.h include/uapi/*.h) Kbuild Makefile \
+		../tests/guest/nv_p2p_stub/nv_p2p_stub.c ../tests/guest/nv_p2p_stub/Kbuild

@@ -60,12 +60,15 @@ struct phx_provider {
  * @mmap_off: byte offset of the mapping window in the device file.
  * @length: bytes.
  * @mapping: the device file's address_space, for revocation.
- * @prov: provider; @prov_data its private state.
+ * @prov: provider.
+ * @prov_data: the provider's private state.
  * @pdev: the PCI device holding the memory (a reference), or NULL.
  * @bar: its BAR index, or -1.
  * @flags: PHX_REG_* from the caller.
- * @mode: PHX_MODE_*; @status: PHX_ST_*.
- * @nr_ranges: entries in @ranges (physical CPU addresses).
+ * @mode: PHX_MODE_*.
+ * @status: PHX_ST_*.
+ * @nr_ranges: entries in @ranges.
+ * @ranges: the memory, as physical CPU address ranges.
  * @chunk_pfn: first pfn of each 2 MiB chunk: O(1) page lookup.
  * @pgmap: GENERIC mode: our pagemap (nr_range == @nr_ranges).
  * @p2p: P2PDMA mode: the phx-bound device whose published BAR holds it.

@@ -63,6 +63,7 @@
  * @max_reg_bytes: out: the largest registration accepted.
  * @nr_regs: out: live registrations of all processes.
  * @nr_pages_busy: out: pages of revoked registrations still waited on.
+ * @pad: must be zero.
  * @reserved: must be zero.
  */
 struct phx_info {
