@@ -10,6 +10,8 @@ are its own), page cache dropped before every row:
 
 * ``phx``          ``phx.loader.load_file(index, device)``
 * ``st``           ``safetensors.torch.load_file(shard, device=device)`` per shard
+                   (on the CPU its tensors map the file: every method's rows to
+                   the CPU include touching each page once)
 * ``st-cpu``       the same to the CPU, then ``.to(device)`` (GPU only)
 * ``fst-nogds``    fastsafetensors ``SafeTensorsFileLoader(nogds=True)``
 * ``fst-phx``      the same after ``phx_fastsafetensors.replace()``: phx's copier
@@ -285,6 +287,13 @@ def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
     res = _load(method, d, device)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    else:
+        # safetensors' CPU tensors are a copy-on-write mmap of the file: read
+        # lazily.  Touch one byte of every page, for every method alike, so
+        # the time is until the weights are in memory.
+        for t in res["tensors"].values():
+            if t.numel():
+                t.reshape(-1).view(torch.uint8)[::4096].max()
     dt = time.perf_counter() - t0
     cpu1, peak = _usage()
     tensors = res["tensors"]
