@@ -756,7 +756,10 @@ def test_bench_cgroup_caps_swap_too():
                 assert int(open(memsw).read()) == limit
                 assert int(open(os.path.join(cg.path, "memory.limit_in_bytes")).read()) == limit
             else:
-                assert open(os.path.join(cg.path, "memory.swap.max")).read().strip() == "0"
+                swap = os.path.join(cg.path, "memory.swap.max")
+                if not os.path.exists(swap):
+                    pytest.skip("this kernel has no swap controller (no memory.swap.max)")
+                assert open(swap).read().strip() == "0"
                 assert int(open(os.path.join(cg.path, "memory.max")).read()) == limit
             assert cg.swap_limited
 

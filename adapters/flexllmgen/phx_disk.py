@@ -196,8 +196,10 @@ class PhxDisk:
         return pb.TorchTensor(shape, pb.np_dtype_to_torch_dtype[dtype], kv, self, name=name)
 
     def delete(self, tensor):
-        if tensor.data is not None and self.store is not None and not self.store._closed:
-            self.store.free(tensor.data)
+        kv = tensor.data
+        # a tensor of a store set_path() already removed is gone with its files
+        if kv is not None and kv in self.store.tensors():
+            self.store.free(kv)
 
     def init_cache_one_gpu_batch(self, config, task, policy):
         shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * config.n_head,
