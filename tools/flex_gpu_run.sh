@@ -56,12 +56,12 @@ tests() {
 
 flex() {
 	log flex sweep
-	local t=$(($(left) - 20))
-	[ $t -gt 60 ] || { log "no time left for the sweep"; return 1; }
-	timeout $t python3 adapters/flexllmgen/run_four.py \
+	local t=$(($(left) - ${FLEX_BENCH_S:-60}))	# what is left after it goes to phx bench kv
+	[ $t -gt 90 ] || { log "no time left for the sweep"; return 1; }
+	timeout $((t + 30)) python3 adapters/flexllmgen/run_four.py --budget-s $((t - 10)) \
 		--model facebook/opt-6.7b --prompt 512 --batch ${FLEX_BATCH:-4} --gen ${FLEX_GEN:-8} \
 		--caps ${FLEX_CAPS:-0.2,0.4,0.6,0.8,1.0,1.2} --repeat ${FLEX_REPEAT:-1} \
-		--timeout $((t / 4 + 30)) --dir "$DATA" \
+		--dir "$DATA" \
 		--json "$OUT/flex.json" --plot "$OUT/flex.png" 2>&1 | tee -a "$LOG" | tail -45
 	rm -rf "$DATA"
 }

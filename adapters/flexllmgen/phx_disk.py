@@ -153,8 +153,11 @@ class PhxDisk:
         self._strategy = strategy
         self.relays = None
         if relay_bytes and torch.cuda.is_available():
-            # made once, outside any later memory cap: FlexLLMGen's relays are too
-            self.relays = RelayPool(num_copy_threads, round_up(relay_bytes, 4096), cuda_id)
+            # made once, outside any later memory cap (FlexLLMGen's relays are too),
+            # registered with the engine of the stores' slabs (phx's default one)
+            import phx
+            self.relays = RelayPool(num_copy_threads, round_up(relay_bytes, 4096), cuda_id,
+                                    phx.default_engine())
         self.store: KVStore | None = None
         self.set_path(path)
         self.copy_queue: queue.Queue | None = queue.Queue()

@@ -113,7 +113,9 @@ def _random_weights(seed: int):
     return np
 
 
-def worker(conf: dict) -> dict:
+def worker(conf: dict, out: str | None = None) -> dict:
+    """One configuration at every cap; ``out`` gets the results so far after each
+    cap (a worker stopped by its timeout still leaves the caps it finished)."""
     import numpy as np
     import torch
     sys.path.insert(0, HERE)
@@ -221,6 +223,10 @@ def worker(conf: dict) -> dict:
             run["phx"] = disk.stats()
         res["runs"].append(run)
         shutil.rmtree(d, ignore_errors=True)
+        if out:
+            with open(out + ".tmp", "w") as f:
+                json.dump(res, f)
+            os.replace(out + ".tmp", out)
     if cfg != "stock":
         disk.close()
     else:
@@ -289,7 +295,11 @@ def aggregate(results: list[dict], conf: dict) -> dict:
             for row in per.values():
                 row["ideal_decode_s"] = ideal
             per["dual"]["decode_vs_ideal"] = per["dual"]["decode_s"] / ideal
+    gpu_ids = (cal or {}).get("compute", {}).get("output_ids")
     return {"rows": rows, "checks": checks, "stock_ids_found": stock_ids is not None,
+            # the KV cache kept on the GPU (no disk at all) gives the same tokens too
+            "gpu_cache_ids_identical": None if gpu_ids is None or stock_ids is None
+            else gpu_ids == stock_ids,
             "ids_identical": stock_ids is not None and not any(
                 c["failure"] == "output token ids differ from stock FlexLLMGen's" for c in checks)}
 
@@ -352,7 +362,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         conf = json.loads(argv[1])
-        res = worker(conf)
+        res = worker(conf, argv[2])
         with open(argv[2], "w") as f:
             json.dump(res, f)
         return 0
@@ -370,7 +380,10 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="/var/tmp/flexkv")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per worker")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker at most")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds for the whole sweep: each worker gets the time left / the "
+                        "workers left (caps it finished are kept when it is stopped)")
     a = p.parse_args(argv)
     from phx.bench._kv_cgroup import MemCgroup, can_create
     ok, why = can_create()
@@ -389,6 +402,8 @@ def main(argv=None) -> int:
           f"{2 * conf['layers']}); decode reads {sum(decode_read_bytes(conf)) / 1e9:.2f} GB; "
           f"caps = {a.allowance / MiB:.0f} MiB + fraction x WS", flush=True)
     results = []
+    t_start = time.time()
+    n_workers = a.repeat * len(conf["configs"])
     for rep in range(a.repeat):
         order = conf["configs"][rep % len(conf["configs"]):] + conf["configs"][:rep % len(conf["configs"])]
         for cfg in order:
@@ -398,19 +413,31 @@ def main(argv=None) -> int:
             wconf = {**conf, "config": cfg, "dir": os.path.join(a.dir, f"{cfg}-{rep}"),
                      "base_cgroup": base.path, "calibrate": cfg == "dual" and rep == 0}
             t0 = time.time()
+            timeout = a.timeout
+            if a.budget_s is not None:
+                left = n_workers - len(results)
+                timeout = min(timeout, max(30.0, (a.budget_s - (t0 - t_start)) / left))
+            if os.path.exists(out):
+                os.unlink(out)
             proc = base.popen([sys.executable, os.path.abspath(__file__), "--worker",
                                json.dumps(wconf), out])
             try:
-                rc = proc.wait(timeout=a.timeout)
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = proc.wait()
             base.close()
-            if rc == 0:
+            if os.path.exists(out):       # all caps, or those done before a timeout
                 with open(out) as f:
                     r = json.load(f)
+                if rc != 0:
+                    done = {x["cap_fraction"] for x in r["runs"]}
+                    r["runs"] += [{"cap_fraction": f, "cap_bytes": None,
+                                   "error": f"worker exit {rc} before this cap"}
+                                  for f in conf["caps"] if f not in done]
                 r["repeat"] = rep
                 results.append(r)
+                os.unlink(out)
                 for run in r["runs"]:
                     print(f"  {cfg:12s} cap {run['cap_fraction']:.2f}: prefill "
                           f"{run.get('prefill_s', float('nan')):.3f} s decode "
@@ -426,7 +453,8 @@ def main(argv=None) -> int:
     agg = aggregate(results, conf)
     print(table(agg["rows"]))
     print("output token ids identical to stock FlexLLMGen's in every run:",
-          agg["ids_identical"])
+          agg["ids_identical"], "| KV cache on the GPU gives them too:",
+          agg["gpu_cache_ids_identical"])
     doc = {"benchmark": "flexllmgen-four", "workload": conf, "working_set_bytes":
            working_set(conf), **agg, "raw": results}
     if a.json:
