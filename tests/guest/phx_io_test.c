@@ -1609,7 +1609,8 @@ static int cmd_nvreg(const struct bdf *b, int n)
 		int fd = phx_open(), ret, k;
 
 		stub_stats(&st0);
-		stub_write("free_during_reg", "1 %d", (i * 37) % 2000);
+		/* half at once (the window right after get_pages), half spread */
+		stub_write("free_during_reg", "1 %d", i & 1 ? (i * 37) % 2000 : (i * 7) % 50);
 		ret = nv_register(fd, b->nv_va, 4 << 20, &reg);
 		if (ret == -EFAULT) {
 			efault++;

@@ -262,8 +262,15 @@ P2PDMA_DISABLE = ["DRM", "SOUND", "USB_SUPPORT", "WLAN", "WIRELESS", "CFG80211",
                   "FB", "MODULE_SIG"]
 
 
-def p2pdma_kernel(jobs):
-    """defconfig + kvm_guest.config + P2PDMA, built from linux-source-6.12."""
+# The debug variant of the P2PDMA kernel: the same plus KASAN, lockdep and
+# VM debugging (their reports are WARN/BUG lines, which fail a run).
+DEBUG_ENABLE = ["KASAN", "KASAN_GENERIC", "KASAN_OUTLINE", "PROVE_LOCKING",
+                "DEBUG_VM", "DEBUG_ATOMIC_SLEEP"]
+
+
+def p2pdma_kernel(jobs, name="p2pdma", extra=()):
+    """defconfig + kvm_guest.config + P2PDMA (+ @extra), built from
+    linux-source-6.12, cached per config in $CACHE/@name."""
     apt_install(P2PDMA_PACKAGES)
     src = CACHE / "src" / "linux-source-6.12"
     if not (src / "Makefile").exists():
@@ -272,10 +279,11 @@ def p2pdma_kernel(jobs):
         log("unpacking linux-source-6.12")
         run(f"dpkg-deb --fsys-tarfile '{deb}' | tar -xO ./usr/src/linux-source-6.12.tar.xz"
             f" | xz -dc -T0 | tar -x -C '{CACHE / 'src'}'", shell=True)
-    cfg_id = hashlib.sha256(" ".join(P2PDMA_ENABLE + ["-"] + P2PDMA_DISABLE).encode())
+    enable = P2PDMA_ENABLE + list(extra)
+    cfg_id = hashlib.sha256(" ".join(enable + ["-"] + P2PDMA_DISABLE).encode())
     cfg_id = cfg_id.hexdigest()[:10]
-    out = CACHE / "p2pdma" / "build"
-    stamp = CACHE / "p2pdma" / f".built-{cfg_id}"
+    out = CACHE / name / "build"
+    stamp = CACHE / name / f".built-{cfg_id}"
     image = out / "arch/x86/boot/bzImage"
     if not stamp.exists() or not image.exists():
         out.mkdir(parents=True, exist_ok=True)
@@ -283,22 +291,24 @@ def p2pdma_kernel(jobs):
         run(["make", "-s", "-C", str(src), f"O={out}", "x86_64_defconfig",
              "kvm_guest.config"], stdout=subprocess.DEVNULL)
         args = []
-        for o in P2PDMA_ENABLE:
+        for o in enable:
             args += ["-e", o]
         for o in P2PDMA_DISABLE:
             args += ["-d", o]
         run([str(src / "scripts/config"), "--file", str(out / ".config")] + args)
         run(["make", "-s", "-C", str(src), f"O={out}", "olddefconfig"])
         cfg = (out / ".config").read_text()
-        if "CONFIG_PCI_P2PDMA=y" not in cfg:
-            raise SystemExit("CONFIG_PCI_P2PDMA did not stick in the kernel config")
-        log(f"building the P2PDMA kernel (-j{jobs}; ~10 min on 2 cores, cached after)")
+        for o in ["PCI_P2PDMA"] + list(extra):
+            if f"CONFIG_{o}=y" not in cfg and o != "KASAN_OUTLINE":
+                raise SystemExit(f"CONFIG_{o} did not stick in the kernel config")
+        log(f"building the {name} kernel (-j{jobs}; ~15 min on 2 cores, more with "
+            f"KASAN; cached after)")
         t0 = time.time()
         run(["make", "-s", "-C", str(out), f"-j{jobs}", "bzImage", "modules"])
         log(f"kernel built in {time.time() - t0:.0f} s")
         stamp.touch()
     kver = sh_out(["make", "-s", "-C", str(out), "kernelrelease"]).strip()
-    return Kernel("p2pdma", kver, image, out, None)
+    return Kernel(name, kver, image, out, None)
 
 
 # --------------------------------------------------------------------------
@@ -561,7 +571,7 @@ def judge(text, expects):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("suite", type=Path, help="bash script run in the guest (chroot)")
-    ap.add_argument("--kernel", choices=["debian", "debian-next", "p2pdma"], default="debian")
+    ap.add_argument("--kernel", choices=["debian", "debian-next", "p2pdma", "debug"], default="debian")
     ap.add_argument("--nvme", type=parse_nvme, action="append",
                     help="add an NVMe: size=512M,lba=4096,mdts=7 (repeatable)")
     ap.add_argument("--ivshmem-size", type=parse_size, default=parse_size("128M"))
@@ -589,7 +599,8 @@ def main():
         fcntl.flock(lock, fcntl.LOCK_EX)
         apt_install(HOST_PACKAGES)
         kern = {"debian": debian_kernel, "debian-next": lambda: debian_next_kernel(a.jobs),
-                "p2pdma": lambda: p2pdma_kernel(a.jobs)}[a.kernel]()
+                "p2pdma": lambda: p2pdma_kernel(a.jobs),
+                "debug": lambda: p2pdma_kernel(a.jobs, "debug", DEBUG_ENABLE)}[a.kernel]()
         kos = {n: Path(shutil.copy(p, rundir / p.name))
                for n, p in build_module(kern).items()}
         ko = kos["phx"]
