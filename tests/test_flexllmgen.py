@@ -249,3 +249,47 @@ def test_runner_on_a_real_gpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(js.read_text())
     assert doc["ids_identical"] and len(doc["rows"]) == 8
+
+
+def test_runner_moves_itself_into_the_cap_and_back(kvdir):
+    """run_capped: the whole process runs fn inside a fresh cgroup of the cap (its
+    page cache held to the cap), then is back in its base cgroup; the cap cgroup is
+    gone.  (Root and a memory cgroup controller; no GPU needed.)"""
+    if os.geteuid() != 0:
+        pytest.skip("memory cgroups need root")
+    from phx.bench._kv_cgroup import MemCgroup, can_create
+    ok, why = can_create()
+    if not ok:
+        pytest.skip(why)
+    import json
+    import subprocess
+    import textwrap
+    code = textwrap.dedent(r"""
+        import json, os, sys, threading
+        sys.path.insert(0, sys.argv[1])
+        import run_four as rf
+        path, base = sys.argv[2], sys.argv[3]
+        def fn():
+            # a helper thread must move with the process (cgroup.procs, not tasks)
+            seen = {}
+            t = threading.Thread(target=lambda: seen.update(
+                c=open(f"/proc/self/task/{threading.get_native_id()}/cgroup").read()))
+            t.start(); t.join()
+            with open(path, "wb") as f:
+                for _ in range(64):
+                    f.write(os.urandom(1 << 20))      # 64 MiB of page cache
+            return {"in": open("/proc/self/cgroup").read(), "thread": seen["c"]}
+        val, info = rf.run_capped("phx-test-capped-%d" % os.getpid(), 24 << 20, base, fn)
+        print(json.dumps({"val": val, "info": info, "after": open("/proc/self/cgroup").read()}))
+    """)
+    with MemCgroup(f"phx-test-capbase-{os.getpid()}", None) as base:
+        p = base.popen([sys.executable, "-c", code, ADAPTER, os.path.join(kvdir, "f.bin"),
+                        base.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    doc = json.loads(out)
+    assert "error" not in doc["info"], doc["info"]
+    assert "phx-test-capped-" in doc["val"]["in"] and "phx-test-capped-" in doc["val"]["thread"]
+    assert "phx-test-capped-" not in doc["after"] and "phx-test-capbase-" in doc["after"]
+    assert doc["info"]["peak_bytes"] is None or doc["info"]["peak_bytes"] <= 24 << 20
+    assert doc["info"]["oom_kills"] == 0 and doc["info"]["swap_limited"]

@@ -88,6 +88,39 @@ MODELS = {"facebook/opt-6.7b": {"layers": 32, "hidden": 4096, "heads": 32},
 
 
 # -- the worker (one configuration, all caps) ----------------------------------------
+def run_capped(name: str, limit: int, base: str, fn):
+    """Run ``fn()`` with this whole process moved into a fresh memory cgroup of
+    ``limit`` bytes (swap off), then moved back to the cgroup directory ``base``.
+
+    Memory charged before the move stays where it was: the cap holds what ``fn``
+    newly charges (its page cache, new allocations).  Returns ``(fn's value or
+    None, info)``; info has the device bytes, the cgroup's peak, OOM kills and an
+    ``error`` when fn raised.
+    """
+    from phx.bench._kv_cgroup import MemCgroup
+    from phx.kv import _sys
+    cg = MemCgroup(name, limit)
+    info: dict = {"cap_bytes": limit}
+    val = None
+    io0 = _sys.proc_io()
+    try:
+        cg.add(os.getpid())
+        val = fn()
+    except Exception as e:              # noqa: BLE001 - one cap's failure is a result
+        info["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        io1 = _sys.proc_io()
+        with open(os.path.join(base, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        info["peak_bytes"] = cg.peak()
+        info["oom_kills"] = cg.oom_kills()
+        info["swap_limited"] = cg.swap_limited
+        cg.close()
+    info["device_read_bytes"] = io1.get("read_bytes", 0) - io0.get("read_bytes", 0)
+    info["device_write_bytes"] = io1.get("write_bytes", 0) - io0.get("write_bytes", 0)
+    return val, info
+
+
 def _random_weights(seed: int):
     """A replacement for flex_opt.init_weight_list: weights on their home device,
     seeded random (the same bytes in every process)."""
@@ -124,7 +157,6 @@ def worker(conf: dict, out: str | None = None) -> dict:
     from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
     from flexgen.timer import timers
     from flexgen.utils import ExecutionEnv
-    from phx.bench._kv_cgroup import MemCgroup
     from phx.kv import _sys
     from phx_disk import PhxDisk
 
@@ -191,32 +223,19 @@ def worker(conf: dict, out: str | None = None) -> dict:
         else:
             disk.set_path(d)
         limit = allowance + int(frac * ws)
-        cg = MemCgroup(f"phx-flex-{os.getpid()}-{cfg}-{int(frac * 100)}", limit)
-        run = {"cap_fraction": frac, "cap_bytes": limit}
-        io0 = _sys.proc_io()
-        try:
-            cg.add(os.getpid())
+
+        def gen():
             timers("generate").reset()
             ids = model.generate(inputs, max_new_tokens=conf["gen"])
-            costs = list(timers("generate").costs)
-            io1 = _sys.proc_io()
-        except Exception as e:          # noqa: BLE001 - one cap's failure is a result
-            run["error"] = f"{type(e).__name__}: {e}"
-            ids, costs, io1 = None, [], _sys.proc_io()
-        finally:
-            with open(os.path.join(base, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-            run["peak_bytes"] = cg.peak()
-            run["oom_kills"] = cg.oom_kills()
-            run["swap_limited"] = cg.swap_limited
-            cg.close()
-        if ids is not None:
+            return ids, list(timers("generate").costs)
+        val, info = run_capped(f"phx-flex-{os.getpid()}-{cfg}-{int(frac * 100)}", limit, base,
+                               gen)
+        run = {"cap_fraction": frac, **info}
+        if val is not None:
+            ids, costs = val
             run.update({
                 "prefill_s": costs[0], "decode_s": sum(costs[1:]), "decode_step_s": costs[1:],
-                "output_ids": np.asarray(ids).tolist(),
-                "device_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-                "device_write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
-            })
+                "output_ids": np.asarray(ids).tolist()})
             logical = sum(decode_read_bytes(conf))
             run["hit_rate"] = max(0.0, 1.0 - run["device_read_bytes"] / logical)
         if cfg != "stock":
