@@ -35,8 +35,9 @@ setup() {
 		.whl-flex/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
 	export PHX_LIBURING_ROOT=/tmp/uring
 	export PYTHONPATH=/tmp/phx:/tmp/flexsite
-	python3 -c "import flexgen.flex_opt, torch; print('flexgen', flexgen.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
-	cat /sys/fs/cgroup/cgroup.controllers 2>&1 | sed 's/^/cgroup v2 controllers: /' | tee -a "$LOG"
+	python3 -c "import flexgen.flex_opt, torch; print('flexgen', flexgen.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -3 | tee -a "$LOG" || true
+	cat /sys/fs/cgroup/cgroup.controllers 2>&1 | sed 's/^/cgroup v2 controllers: /' | tee -a "$LOG" || true
+	return 0
 }
 
 build() {

@@ -369,7 +369,8 @@ def plot(rows: list[dict], path: str, conf: dict) -> None:
         a.set_ylabel(y)
         a.set_xlabel("memory cap (x KV working set, + allowance)")
         a.grid(alpha=0.3)
-    ax[1].legend(fontsize=8)
+    if ax[1].get_legend_handles_labels()[0]:
+        ax[1].legend(fontsize=8)
     fig.suptitle(f"FlexLLMGen {conf['model']}, batch {conf['batch']}, prompt {conf['prompt']}, "
                  f"gen {conf['gen']}: KV {working_set(conf) / MiB:.0f} MiB", fontsize=10)
     fig.tight_layout()
@@ -381,10 +382,27 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         conf = json.loads(argv[1])
-        res = worker(conf, argv[2])
+        try:
+            res = worker(conf, argv[2])
+            rc = 0
+        except BaseException as e:     # noqa: BLE001 - reported, then the process ends
+            import traceback
+            traceback.print_exc()
+            res = {"config": conf["config"], "pinned_bytes": None, "runs": []}
+            if os.path.exists(argv[2]):
+                with open(argv[2]) as f:
+                    res = json.load(f)
+            done = {x["cap_fraction"] for x in res["runs"]}
+            res["runs"] += [{"cap_fraction": f, "cap_bytes": None,
+                             "error": f"worker failed: {type(e).__name__}: {e}"}
+                            for f in conf["caps"] if f not in done]
+            rc = 1
         with open(argv[2], "w") as f:
             json.dump(res, f)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # FlexLLMGen's copy threads are not daemons: a failed run must not hang here
+        os._exit(rc)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="facebook/opt-6.7b", choices=sorted(MODELS))
     p.add_argument("--batch", type=int, default=4)
