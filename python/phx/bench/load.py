@@ -22,8 +22,9 @@ Reported: seconds until every tensor is on the device, GB/s, CPU seconds
 (user + system of the process, getrusage), peak RSS and its growth over the
 process's state just before loading (after imports and CUDA start-up), and
 whether every tensor's bytes equal the checkpoint's (BLAKE2 of each tensor,
-against digests taken when it was written).  Rows run on ``--dir`` (the
-disk) and, with ``--zram SIZE``, on a fresh zram block device with ext4.
+against digests taken when it was written).  Rows run on a fresh zram block
+device with ext4 (``--zram SIZE``; first) and on ``--dir`` (the disk); the
+table and JSON are written after each.
 """
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ def write_checkpoint(d: str, size: int, shards: int, seed: int, show: bool) -> d
     digests: dict[str, str] = {}
     weight_map: dict[str, str] = {}
     bar = progress(total, "writing checkpoint", show, unit="B")
+    pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 2))
+    futs: dict[str, concurrent.futures.Future] = {}
     for k, group in enumerate(groups):
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         part = {}
@@ -146,12 +149,15 @@ def write_checkpoint(d: str, size: int, shards: int, seed: int, show: bool) -> d
             words.random_(generator=g)
             t = words.view(torch.uint8)[:n * 2].view(torch.bfloat16).reshape(shp)
             part[name] = t
-            digests[name] = digest(t.view(-1).view(torch.uint8).numpy())
+            futs[name] = pool.submit(digest, t.view(-1).view(torch.uint8).numpy())
             weight_map[name] = fname
         save_file(part, os.path.join(d, fname))
+        digests.update((k, f.result()) for k, f in futs.items())
+        futs.clear()
         bar.update(sum(2 * math.prod(s) for _, s in group))
         del part
     bar.close()
+    pool.shutdown()
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     with open(os.path.join(d, "digests.json"), "w") as f:
@@ -453,15 +459,21 @@ def run(args) -> int:
         os.makedirs(ckpt)
         ref = write_checkpoint(ckpt, size, args.shards, 1234, not args.quiet)
     total = sum(os.path.getsize(p) for p in _shards(ckpt))
-    places = [] if args.no_disk else [("disk", ckpt)]
     nrows = sum(len(args.raw_threads.split(",")) if m == "raw" else 1 for m in methods)
     rows: list[dict[str, Any]] = []
-    bar = progress(nrows * args.repeat * (len(places) + bool(args.zram)), "phx bench load",
-                   not args.quiet)
+
+    def report() -> None:
+        # after each place: a run cut short still leaves its table and JSON
+        _print(rows, device)
+        write_json(args.json, {
+            "benchmark": "load", "device": device, "checkpoint_bytes": total,
+            "tensors": len(ref), "shards": args.shards, "repeat": args.repeat,
+            "storage": storage_description(ckpt), "rows": rows})
+
+    bar = progress(nrows * args.repeat * ((not args.no_disk) + bool(args.zram)),
+                   "phx bench load", not args.quiet)
     try:
-        for where, d in places:
-            rows += _rows_for(where, d, methods, device, args, ref, bar)
-        if args.zram:
+        if args.zram:          # first: where software, not the device, decides
             from phx.bench._zram import unavailable, zram_ext4
             zsize = parse_size(args.zram)
             why = unavailable(zsize)
@@ -474,13 +486,12 @@ def run(args) -> int:
                     zd = os.path.join(z.mountpoint, "ckpt")
                     _copy_tree(ckpt, zd)
                     rows += _rows_for("zram", zd, methods, device, args, ref, bar)
+                report()
+        if not args.no_disk:
+            rows += _rows_for("disk", ckpt, methods, device, args, ref, bar)
+            report()
     finally:
         bar.close()
-    _print(rows, device)
-    write_json(args.json, {
-        "benchmark": "load", "device": device, "checkpoint_bytes": total,
-        "tensors": len(ref), "shards": args.shards, "repeat": args.repeat,
-        "storage": storage_description(ckpt), "rows": rows})
     bad = [r for r in rows if r.get("check") not in ("ok", "bytes only")]
     for r in bad:
         print(f"phx bench load: {r['where']} {r['method']}: "
