@@ -66,6 +66,7 @@ bench() {
 	log "bench load ($t s left): size $SIZE, repeat $REPEAT, disk and zram"
 	free -g | tee -a "$LOG"
 	timeout $t python3 -m phx bench load --size "$SIZE" --repeat "$REPEAT" --dir $BENCHDIR \
+		--raw-threads 16,64 \
 		--zram "$(python3 -c "
 from phx.bench._common import parse_size
 print(int(parse_size('$SIZE') * 1.1) + (512 << 20))")" \
