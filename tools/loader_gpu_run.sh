@@ -54,7 +54,7 @@ tests() {
 	t=$(left)
 	t=$((t > 300 ? 180 : t / 3))
 	log "tests ($t s)"
-	PHX_TEST_DIR=$TESTDIR timeout $t python3 -m pytest -q -ra -p no:cacheprovider \
+	PHX_TEST_DIR=$TESTDIR timeout -s INT -k 20 $t python3 -m pytest -q -ra -p no:cacheprovider \
 		tests/test_loader_gpu.py tests/test_loader.py tests/test_loader_fake.py \
 		tests/test_fastsafetensors.py 2>&1 | tee -a "$LOG" | tail -40
 }
@@ -65,7 +65,7 @@ bench() {
 	[ $t -gt 60 ] || { log "bench skipped: $t s left"; return 0; }
 	log "bench load ($t s left): size $SIZE, repeat $REPEAT, disk and zram"
 	free -g | tee -a "$LOG"
-	timeout $t python3 -m phx bench load --size "$SIZE" --repeat "$REPEAT" --dir $BENCHDIR \
+	timeout -s INT -k 20 $t python3 -m phx bench load --size "$SIZE" --repeat "$REPEAT" --dir $BENCHDIR \
 		--raw-threads 16,64 \
 		--zram "$(python3 -c "
 from phx.bench._common import parse_size
