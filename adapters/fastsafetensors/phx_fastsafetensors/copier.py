@@ -136,6 +136,11 @@ def factory_for(name: str):
     """Register the phx factory under copier type ``name``."""
     @register_copier_constructor(name, PhxCopier)
     def new_phx_copier(device, **kwargs):
+        # fastsafetensors' native helpers (its buffers, DLPack views) need the
+        # GPU runtime loaded, which its own factories do first; so do we
+        from fastsafetensors.copier.nogds import load_library_func
+        load_library_func(kwargs.get("framework"))
+
         def construct(metadata, device, framework):
             return PhxCopier(metadata, device, framework)
         return construct
