@@ -29,24 +29,28 @@
 
 #include <linux/completion.h>
 #include <linux/module.h>
-#include <linux/mutex.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
+#include <linux/spinlock.h>
 
 #include "phx.h"
 #include "phx_nv_p2p.h"
 
 /**
  * enum phx_nv_state - who owns the page table of a &struct phx_nv_ctx.
- * @PHX_NV_ACQUIRING: get_pages runs or phx reads the table.
+ * @PHX_NV_ACQUIRING: get_pages runs.
+ * @PHX_NV_READING: phx reads the table (sleeps: not under the lock); a
+ *	callback now waits until phx is done with it.
  * @PHX_NV_ACTIVE: registered; the callback or phx_nv_release() ends it.
- * @PHX_NV_FREED_EARLY: the callback came while acquiring; the acquiring
- *	side frees the table and fails the registration.
+ * @PHX_NV_FREED_EARLY: the callback came while get_pages ran: it freed the
+ *	table if get_pages had already stored it (else the acquiring side
+ *	does), and the registration fails.
  * @PHX_NV_FREED: the callback took it (it frees the table).
  * @PHX_NV_RELEASED: phx_nv_release() took it (put_pages frees the table).
  */
 enum phx_nv_state {
 	PHX_NV_ACQUIRING,
+	PHX_NV_READING,
 	PHX_NV_ACTIVE,
 	PHX_NV_FREED_EARLY,
 	PHX_NV_FREED,
@@ -58,33 +62,63 @@ enum phx_nv_state {
  * @reg: the registration.
  * @pt: the driver's page table.
  * @va: the GPU virtual address registered.
- * @lock: protects @state.
+ * @lock: protects @state, @early_freed, @cb_waiting (a spinlock: unlike a
+ *	mutex, it may be freed as soon as the last holder dropped it).
  * @state: see &enum phx_nv_state.
+ * @early_freed: FREED_EARLY, and the callback freed the table.
+ * @cb_waiting: a callback waits for @read_done.
+ * @read_done: completed when phx stopped reading the table.
  * @cb_done: completed when a callback that took the table is done with it.
  */
 struct phx_nv_ctx {
 	struct phx_reg *reg;
 	struct nvidia_p2p_page_table *pt;
 	u64 va;
-	struct mutex lock;		/* protects state */
+	spinlock_t lock;		/* see above */
 	enum phx_nv_state state;
+	bool early_freed;
+	bool cb_waiting;
+	struct completion read_done;
 	struct completion cb_done;
 };
 
+/*
+ * The driver takes the memory back.  Whatever phx was doing, the table is
+ * freed here (as the driver requires) unless put_pages already took it.
+ */
 static void phx_nv_free_cb(void *data)
 {
 	struct phx_nv_ctx *ctx = data;
+	struct nvidia_p2p_page_table *early;
 	enum phx_nv_state was;
 
-	mutex_lock(&ctx->lock);
+	spin_lock(&ctx->lock);
 	was = ctx->state;
-	if (was == PHX_NV_ACQUIRING)
+	switch (was) {
+	case PHX_NV_ACQUIRING:
+		/* not used yet: nothing to wait for */
 		ctx->state = PHX_NV_FREED_EARLY;
-	else if (was == PHX_NV_ACTIVE)
+		early = READ_ONCE(ctx->pt);
+		ctx->early_freed = !!early;
+		spin_unlock(&ctx->lock);
+		if (early)
+			nvidia_p2p_free_page_table(early);
+		return;
+	case PHX_NV_READING:
+		ctx->cb_waiting = true;
+		spin_unlock(&ctx->lock);
+		wait_for_completion(&ctx->read_done);
+		spin_lock(&ctx->lock);
+		was = ctx->state;	/* ACTIVE, or FREED by a failed read */
+		break;
+	default:
+		break;
+	}
+	if (was == PHX_NV_ACTIVE)
 		ctx->state = PHX_NV_FREED;
-	mutex_unlock(&ctx->lock);
-	if (was != PHX_NV_ACTIVE)
-		return;		/* early: the acquirer cleans up; released: nothing */
+	spin_unlock(&ctx->lock);
+	if (was != PHX_NV_ACTIVE && was != PHX_NV_FREED)
+		return;		/* released: put_pages has the table */
 	/* no user access from now on, and no DMA in flight when we return */
 	phx_reg_provider_revoke(ctx->reg);
 	nvidia_p2p_free_page_table(ctx->pt);
@@ -176,6 +210,7 @@ static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
 			  struct file *file)
 {
 	struct phx_nv_ctx *ctx;
+	bool waiting;
 	int ret;
 
 	ctx = kzalloc(sizeof(*ctx), GFP_KERNEL);
@@ -183,7 +218,8 @@ static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
 		return -ENOMEM;
 	ctx->reg = reg;
 	ctx->va = arg->gpu_va;
-	mutex_init(&ctx->lock);
+	spin_lock_init(&ctx->lock);
+	init_completion(&ctx->read_done);
 	init_completion(&ctx->cb_done);
 	ctx->state = PHX_NV_ACQUIRING;
 
@@ -195,21 +231,36 @@ static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
 		return ret < 0 ? ret : -EINVAL;
 	}
 
-	mutex_lock(&ctx->lock);
+	spin_lock(&ctx->lock);
 	if (ctx->state == PHX_NV_FREED_EARLY) {
-		mutex_unlock(&ctx->lock);
-		nvidia_p2p_free_page_table(ctx->pt);
+		bool freed = ctx->early_freed;
+
+		spin_unlock(&ctx->lock);
+		if (!freed)	/* the driver called back before storing it */
+			nvidia_p2p_free_page_table(ctx->pt);
 		kfree(ctx);
 		return -EFAULT;		/* freed before it could be used */
 	}
-	/* a callback from now on waits for the lock, then revokes */
+	ctx->state = PHX_NV_READING;
+	spin_unlock(&ctx->lock);
+
 	ret = phx_nv_ranges(reg, ctx->pt);
 	if (!ret && reg->nr_ranges)
 		reg->pdev = phx_nv_find_dev(reg->ranges[0].start, &reg->bar);
-	ctx->state = ret ? PHX_NV_RELEASED : PHX_NV_ACTIVE;
-	mutex_unlock(&ctx->lock);
+
+	spin_lock(&ctx->lock);
+	waiting = ctx->cb_waiting;
+	if (!ret)
+		ctx->state = PHX_NV_ACTIVE;	/* a waiting callback revokes */
+	else
+		ctx->state = waiting ? PHX_NV_FREED : PHX_NV_RELEASED;
+	spin_unlock(&ctx->lock);
+	complete_all(&ctx->read_done);
 	if (ret) {
-		phx_nv_put(ctx);
+		if (waiting)
+			wait_for_completion(&ctx->cb_done);
+		else
+			phx_nv_put(ctx);
 		kfree(ctx);
 		return ret;
 	}
@@ -224,11 +275,11 @@ static void phx_nv_release(struct phx_reg *reg)
 
 	if (!ctx)
 		return;
-	mutex_lock(&ctx->lock);
+	spin_lock(&ctx->lock);
 	put = ctx->state == PHX_NV_ACTIVE;
 	if (put)
 		ctx->state = PHX_NV_RELEASED;
-	mutex_unlock(&ctx->lock);
+	spin_unlock(&ctx->lock);
 	if (put)
 		phx_nv_put(ctx);	/* the driver frees the table */
 	else

@@ -74,6 +74,7 @@ struct stub_pt {
 	void *data;
 	int state;
 	bool client_freed;
+	bool put_waiting;
 	wait_queue_head_t wq;
 	struct work_struct fire_work;
 	unsigned long fire_delay_us;
@@ -230,11 +231,14 @@ static bool stub_claim(struct stub_pt *sp)
  */
 static void stub_fire_claimed(struct stub_pt *sp, bool from_work)
 {
+	bool put_waiting;
+
 	sp->cb(sp->data);
 
 	mutex_lock(&stub_lock);
 	n_fired++;
-	if (!sp->client_freed) {
+	/* the client frees the table in the callback, or has put_pages waiting */
+	if (!sp->client_freed && !sp->put_waiting) {
 		n_client_bugs++;
 		pr_err("free callback returned without freeing the page table\n");
 	}
@@ -242,8 +246,11 @@ static void stub_fire_claimed(struct stub_pt *sp, bool from_work)
 	sp->state = ST_DONE;
 	list_del(&sp->node);
 	n_tables--;
+	put_waiting = sp->put_waiting;
 	wake_up_all(&sp->wq);
 	mutex_unlock(&stub_lock);
+	if (put_waiting)
+		return;		/* the waiting put_pages frees it */
 	if (!from_work)
 		cancel_work_sync(&sp->fire_work);
 	stub_free(sp);
@@ -347,16 +354,14 @@ int nvidia_p2p_put_pages(u64 p2p_token, u32 va_space, u64 virtual_address,
 		pr_err("put_pages of an unknown page table\n");
 		return -EINVAL;
 	}
-	/* a callback in progress: the driver waits for it */
-	while (sp->state == ST_FIRING) {
+	/* a callback in progress: the driver waits for it, then it is gone */
+	if (sp->state == ST_FIRING) {
+		sp->put_waiting = true;
 		mutex_unlock(&stub_lock);
 		wait_event(sp->wq, READ_ONCE(sp->state) != ST_FIRING);
-		mutex_lock(&stub_lock);
-		sp = stub_find(page_table);
-		if (!sp) {
-			mutex_unlock(&stub_lock);
-			return -EINVAL;	/* the callback took it */
-		}
+		cancel_work_sync(&sp->fire_work);
+		stub_free(sp);
+		return 0;
 	}
 	if (fail_put_n > 0) {
 		fail_put_n--;
