@@ -503,6 +503,32 @@ static const struct file_operations stub_fail_fops = {
 	.write = stub_fail_write,
 };
 
+/*
+ * A free physical range with nothing behind it, high in the address space
+ * (allocate_resource(): request_free_mem_region() needs
+ * CONFIG_GET_FREE_REGION, which not every kernel here has).
+ */
+static struct resource *stub_reserve_sparse(void)
+{
+	struct resource *res = kzalloc(sizeof(*res), GFP_KERNEL);
+	int ret;
+
+	if (!res)
+		return NULL;
+	res->name = "nv_p2p_stub sparse";
+	res->flags = IORESOURCE_MEM;
+	/* the upper half of what the CPU can address (iomem_resource.end) */
+	ret = allocate_resource(&iomem_resource, res, sparse_bytes,
+				iomem_resource.end / 2 + 1, iomem_resource.end,
+				SZ_1G, NULL, NULL);
+	if (ret) {
+		pr_info("no free physical range for the sparse region: %d\n", ret);
+		kfree(res);
+		return NULL;
+	}
+	return res;
+}
+
 static int __init stub_init(void)
 {
 	stub_pdev = pci_get_device(0x1af4, 0x1110, NULL);	/* ivshmem */
@@ -516,13 +542,7 @@ static int __init stub_init(void)
 		pci_dev_put(stub_pdev);
 		return -ENODEV;
 	}
-	sparse_res = request_free_mem_region(&iomem_resource, sparse_bytes,
-					     "nv_p2p_stub sparse");
-	if (IS_ERR(sparse_res)) {
-		pr_info("no free physical range for the sparse region: %ld\n",
-			PTR_ERR(sparse_res));
-		sparse_res = NULL;
-	}
+	sparse_res = stub_reserve_sparse();
 	stub_dir = debugfs_create_dir("nv_p2p_stub", NULL);
 	debugfs_create_file("free_now", 0200, stub_dir, NULL, &stub_free_now_fops);
 	debugfs_create_file("free_during_reg", 0200, stub_dir, NULL,
@@ -548,8 +568,10 @@ static void __exit stub_exit(void)
 		list_del(&p->node);
 		kfree(p);
 	}
-	if (sparse_res)
-		release_mem_region(sparse_res->start, resource_size(sparse_res));
+	if (sparse_res) {
+		release_resource(sparse_res);
+		kfree(sparse_res);
+	}
 	pci_dev_put(stub_pdev);
 }
 
