@@ -5,7 +5,7 @@ PHX_GUEST := $(PYTHON) tests/guest/phxguest.py
 PHX_GUEST_NVME ?= size=512M,lba=4096,mdts=7
 PHX_GUEST_IVSHMEM ?= 256M
 
-.PHONY: test-guest-phx test-guest-p2pdma test-guest-next test-guest-races
+.PHONY: test-guest-phx test-guest-p2pdma test-guest-next test-guest-races test-guest-debug
 
 # phx.ko on Debian's 6.12 kernel (MEMORY_DEVICE_GENERIC pages).
 test-guest-phx: build
@@ -33,5 +33,13 @@ test-guest-races:
 	PHX_SUITE_RACE_ITERS=1000 PHX_SUITE_NVCB_ROUNDS=50 \
 	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel $(or $(PHX_GUEST_KERNEL),debian) \
 		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM) --timeout 3600
+
+# The suite on the P2PDMA kernel built with KASAN, PROVE_LOCKING, DEBUG_VM,
+# DEBUG_ATOMIC_SLEEP (their reports are WARNING/BUG lines: a run with one
+# fails).  Builds the kernel once (~25 min at -j1 on the 2 shared cores),
+# cached in $(PHX_GUEST_CACHE)/debug; ~12 min in the guest.  Not in CI.
+test-guest-debug:
+	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel debug \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM) --timeout 2400
 
 test-guest:: test-guest-phx test-guest-next
