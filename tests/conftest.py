@@ -99,6 +99,16 @@ def buf_address(obj) -> int:
 # Where files go
 # ---------------------------------------------------------------------------
 
+def sigint_default() -> None:
+    """preexec_fn for a child that a test interrupts with SIGINT: a shell's
+    background job (``.ci/run &``) hands its children SIGINT ignored, and an
+    ignored SIGINT stays ignored across exec, so Python would never raise
+    KeyboardInterrupt there.  Seen: two such tests failed in a CI run
+    started with ``&`` and passed in the foreground."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding @path (longest /proc/mounts prefix)."""
     path = os.path.realpath(path)

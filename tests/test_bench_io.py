@@ -20,6 +20,7 @@ import uuid
 
 import pytest
 
+from conftest import sigint_default
 from phx.bench import _blockstat, _fio, _zram
 from phx.bench import io as bio
 from phx.bench._common import fmt_size, parse_size
@@ -409,7 +410,8 @@ def test_bench_removes_zram_when_interrupted(data_dir, sig):
     cmd = [sys.executable, "-m", "phx.cli", "bench", "io", "--path", data_dir, "--size", "16m",
            "--zram", "256m", "--engines", "preadv", "--ops", "read", "--bs", "4k",
            "--qd", "1,2,3,4,5,6,7,8", "--runtime", "0.5", "--repeats", "2", "--no-progress"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import phx
-from conftest import KiB, MiB, assert_same, fresh_bytes, write_file
+from conftest import KiB, MiB, assert_same, fresh_bytes, sigint_default, write_file
 
 FILE_SIZE = 8 * MiB + 123
 
@@ -571,6 +571,7 @@ def test_ctrl_c_interrupts_result(data_dir, timeout):
     os.mkfifo(fifo)
     try:
         r = subprocess.run([sys.executable, "-c", _SIGINT_WAIT, fifo, timeout],
+                           preexec_fn=sigint_default,
                            capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         pytest.fail("Future.result() ignored SIGINT: still waiting 10 s after Ctrl-C")
