@@ -83,15 +83,16 @@ def test_gpu_truncated_while_loading(data_dir, rng):
 
 
 RSS_CHILD = textwrap.dedent(r"""
-    import resource, sys, torch
+    import sys, torch
     torch.zeros(1, device="cuda")           # CUDA's own host memory, before the baseline
     import phx.gpu
     from phx import loader
+    from phx.bench._common import peak_rss, reset_peak_rss
     phx.gpu.context(device=0)               # the staging is pinned here
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = reset_peak_rss()                 # (ru_maxrss would be pytest's, inherited)
     sd = loader.load_file(sys.argv[1], device="cuda")
     torch.cuda.synchronize()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(peak - base, sum(t.numel() * t.element_size() for t in sd.values()))
 """)
 

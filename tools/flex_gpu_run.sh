@@ -50,7 +50,7 @@ build() {
 
 tests() {
 	log tests "(GPU KV, FlexLLMGen adapter, phx.kv with cgroup v2)"
-	PHX_TEST_DIR=$TESTDIR timeout 150 python3 -m pytest -q -ra -p no:cacheprovider \
+	PHX_TEST_DIR=$TESTDIR timeout ${FLEX_TEST_S:-150} python3 -m pytest -q -ra -p no:cacheprovider \
 		--timeout 120 --timeout-method=thread tests/test_kv_gpu.py tests/test_flexllmgen.py \
 		tests/test_kv.py -k "not runner_on_a_real_gpu" 2>&1 | tee -a "$LOG" | tail -30
 }

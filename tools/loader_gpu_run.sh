@@ -55,8 +55,8 @@ tests() {
 	t=$((t > 300 ? 180 : t / 3))
 	log "tests ($t s)"
 	PHX_TEST_DIR=$TESTDIR timeout -s INT -k 20 $t python3 -m pytest -q -ra -p no:cacheprovider \
-		tests/test_loader_gpu.py tests/test_loader.py tests/test_loader_fake.py \
-		tests/test_fastsafetensors.py 2>&1 | tee -a "$LOG" | tail -40
+		${LOADER_TESTS:-tests/test_loader_gpu.py tests/test_loader.py tests/test_loader_fake.py \
+		tests/test_fastsafetensors.py} 2>&1 | tee -a "$LOG" | tail -40
 }
 
 bench() {

@@ -350,9 +350,82 @@ out:
 	return ok;
 }
 
+struct lane_init {
+	phx_cuda *c;
+	uint32_t index;
+	int ret;
+	char err[512];
+};
+
+static void *lane_init_main(void *arg)
+{
+	struct lane_init *li = arg;
+	phx_cuda *c = li->c;
+
+	if (c->d->CtxSetCurrent(c->ctx) != CUDA_SUCCESS) {
+		li->ret = cu_err(-ENODEV, "cuCtxSetCurrent (lane setup)");
+	} else {
+		li->ret = lane_setup(c, &c->lanes[li->index], li->index);
+		c->d->CtxSetCurrent(NULL);
+	}
+	if (li->ret)
+		cu_err_save(li->err, sizeof(li->err));
+	return NULL;
+}
+
+/*
+ * Set the lanes up on threads of their own, all at once: a lane's set-up
+ * is mostly pinning its staging memory, which the kernel does in parallel
+ * for separate ranges, so a context starts several times sooner than lane
+ * after lane.  A lane whose thread cannot start is set up here.  The first
+ * failure (by lane order) is the one reported; phx_cuda_destroy() frees
+ * whatever each lane got.
+ */
+static int lanes_setup(phx_cuda *c)
+{
+	struct lane_init *li;
+	pthread_t *thr;
+	bool *started;
+	uint32_t i;
+	int ret = 0;
+
+	li = calloc(c->nlanes, sizeof(*li));
+	thr = calloc(c->nlanes, sizeof(*thr));
+	started = calloc(c->nlanes, sizeof(*started));
+	if (!li || !thr || !started) {
+		ret = cu_err(-ENOMEM, "out of memory");
+		goto out;
+	}
+	for (i = 0; i < c->nlanes; i++) {
+		li[i].c = c;
+		li[i].index = i;
+		started[i] = !pthread_create(&thr[i], NULL, lane_init_main, &li[i]);
+	}
+	for (i = 0; i < c->nlanes; i++) {
+		if (started[i]) {
+			pthread_join(thr[i], NULL);
+			continue;
+		}
+		/* this thread has the context current already */
+		li[i].ret = lane_setup(c, &c->lanes[i], i);
+		if (li[i].ret)
+			cu_err_save(li[i].err, sizeof(li[i].err));
+	}
+	for (i = 0; i < c->nlanes && !ret; i++) {
+		if (li[i].ret) {
+			ret = li[i].ret;
+			cu_err_restore(li[i].err);
+		}
+	}
+out:
+	free(li);
+	free(thr);
+	free(started);
+	return ret;
+}
+
 static int ctx_setup(phx_cuda *c)
 {
-	uint32_t i;
 	int ret;
 
 	ret = flags_setup(c);
@@ -365,11 +438,9 @@ static int ctx_setup(phx_cuda *c)
 	c->lanes = calloc(c->nlanes, sizeof(*c->lanes));
 	if (!c->lanes)
 		return cu_err(-ENOMEM, "out of memory");
-	for (i = 0; i < c->nlanes; i++) {
-		ret = lane_setup(c, &c->lanes[i], i);
-		if (ret)
-			return ret;
-	}
+	ret = lanes_setup(c);
+	if (ret)
+		return ret;
 	c->st.staging_bytes = (uint64_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size;
 	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES + DESCS_BYTES;
 	return 0;

@@ -51,6 +51,8 @@ static int (*SleepAsync)(void *, unsigned long);
 static int64_t (*HostfnMax)(void);
 static long (*BatchCalls)(void);
 static int (*DeviceSync)(int);
+static void (*FailHostRegister)(int);
+static int (*FakeHostRegistered)(size_t *);
 
 static uint64_t rng = 88172645463325252ull;
 
@@ -538,6 +540,42 @@ static void test_no_memops(phx_engine *eng)
 	MemFree(buf);
 }
 
+/*
+ * Lanes are set up in parallel: a failure in one of them (its staging
+ * registration) fails the create with that lane's message, leaves nothing
+ * registered, and the next create works.  Staging is 2 MiB aligned (huge
+ * pages where the kernel has them).
+ */
+static void test_lane_setup_failure(phx_engine *eng)
+{
+	struct phx_cuda_config cfg;
+	phx_cuda *c = (phx_cuda *)&cfg;
+	size_t align;
+	int before, ret;
+
+	before = FakeHostRegistered(&align);
+	phx_cuda_config_init(&cfg);
+	cfg.lanes = 6;
+	cfg.bufs_per_lane = 2;
+	cfg.buf_size = MiB;
+	FailHostRegister(2 + 3);	/* flags, descriptors, then lanes: the 4th fails */
+	ret = phx_cuda_create(eng, &cfg, &c);
+	CHECK(ret == -ENOMEM, "create with a failing lane = %d", ret);
+	CHECK(c == NULL, "create failed but gave a context");
+	CHECK(strstr(phx_cuda_strerror_last(), "cuMemHostRegister (staging buffers)") != NULL,
+	      "message: %s", phx_cuda_strerror_last());
+	CHECK(FakeHostRegistered(&align) == before, "%d regions left registered",
+	      FakeHostRegistered(&align) - before);
+	FailHostRegister(-1);
+	ret = phx_cuda_create(eng, &cfg, &c);
+	CHECK(ret == 0, "create after a failed one = %d", ret);
+	FakeHostRegistered(&align);
+	CHECK(align >= 2 * MiB, "staging aligned to %zu bytes only", align);
+	if (!ret)
+		phx_cuda_destroy(c);
+	CHECK(FakeHostRegistered(&align) == before, "destroy left regions registered");
+}
+
 int main(int argc, char **argv)
 {
 	phx_engine *eng;
@@ -560,6 +598,8 @@ int main(int argc, char **argv)
 	*(void **)&HostfnMax = dlsym(h, "fake_hostfn_max_ns");
 	*(void **)&BatchCalls = dlsym(h, "fake_batch_calls");
 	*(void **)&DeviceSync = dlsym(h, "fake_device_sync");
+	*(void **)&FailHostRegister = dlsym(h, "fake_fail_host_register");
+	*(void **)&FakeHostRegistered = dlsym(h, "fake_host_registered");
 
 	CHECK(phx_cuda_available(why, sizeof(why)) == 1, "available: %s", why);
 	CHECK(phx_engine_create(NULL, &eng) == 0, "engine");
@@ -581,6 +621,7 @@ int main(int argc, char **argv)
 	CHECK(phx_cuda_destroy(c) == 0, "destroy");
 	test_destroy_with_queued(eng);
 	test_no_memops(eng);
+	test_lane_setup_failure(eng);
 	/* every host function libphx queued returned at once */
 	CHECK(HostfnMax() < 20 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
 	phx_engine_destroy(eng);

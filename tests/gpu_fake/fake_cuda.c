@@ -157,8 +157,62 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 	return a ? OK : EINVALID;
 }
 
-CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) { return OK; }
-CUresult cuMemHostUnregister(void *p) { return OK; }
+/*
+ * fake_fail_host_register(k): the (k+1)-th cuMemHostRegister from now fails
+ * with CUDA_ERROR_OUT_OF_MEMORY (2), once; fake_host_registered(): the
+ * number of regions registered now, and the lowest address alignment of
+ * any region of 2 MiB or more registered so far.
+ */
+static int hostreg_fail_in = -1, hostreg_live;
+static size_t hostreg_align = (size_t)1 << 40;
+
+void fake_fail_host_register(int k)
+{
+	pthread_mutex_lock(&mem_lock);
+	hostreg_fail_in = k;
+	pthread_mutex_unlock(&mem_lock);
+}
+
+int fake_host_registered(size_t *min_align)
+{
+	int n;
+
+	pthread_mutex_lock(&mem_lock);
+	n = hostreg_live;
+	*min_align = hostreg_align;
+	pthread_mutex_unlock(&mem_lock);
+	return n;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f)
+{
+	CUresult r = OK;
+
+	pthread_mutex_lock(&mem_lock);
+	if (hostreg_fail_in == 0)
+		r = 2;
+	if (hostreg_fail_in >= 0)
+		hostreg_fail_in--;
+	if (r == OK) {
+		hostreg_live++;
+		if (n >= ((size_t)2 << 20)) {	/* staging-sized: how aligned? */
+			size_t a = (uintptr_t)p & -(uintptr_t)p;
+
+			if (a < hostreg_align)
+				hostreg_align = a;
+		}
+	}
+	pthread_mutex_unlock(&mem_lock);
+	return r;
+}
+
+CUresult cuMemHostUnregister(void *p)
+{
+	pthread_mutex_lock(&mem_lock);
+	hostreg_live--;
+	pthread_mutex_unlock(&mem_lock);
+	return OK;
+}
 
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned f)
 {

@@ -98,6 +98,31 @@ def run_quiet(cmd: Sequence[str], **kw) -> subprocess.CompletedProcess:
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS to its current RSS; return that (bytes).
+
+    ``getrusage``'s ``ru_maxrss`` is no use for a child: Linux carries the
+    high-water mark across fork and exec, so a child started by a large
+    parent reports the parent's peak.  ``VmHWM`` belongs to the process's
+    own memory map and can be reset (``clear_refs`` 5, Linux 4.0+)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes since exec or :func:`reset_peak_rss`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``4096``, ``4k``, ``1M``, ``1.5GiB`` (binary units)."""
     s = text.strip().lower().removesuffix("ib").removesuffix("b")

@@ -44,8 +44,8 @@ import threading
 import time
 from typing import Any
 
-from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size, progress,
-                               storage_description, write_json)
+from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size, peak_rss,
+                               progress, reset_peak_rss, storage_description, write_json)
 
 MiB, GiB = 1 << 20, 1 << 30
 METHODS = ("phx", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
@@ -251,7 +251,11 @@ def _load(method: str, d: str, device: str) -> dict[str, Any]:
             import phx_fastsafetensors
             phx_fastsafetensors.replace()
         from fastsafetensors import SafeTensorsFileLoader
-        ld = SafeTensorsFileLoader(None, device, nogds=True)
+        import torch
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:   # fastsafetensors wants "cuda:N"
+            dev = torch.device("cuda", torch.cuda.current_device())
+        ld = SafeTensorsFileLoader(None, str(dev), nogds=True)
         ld.add_filenames({0: _shards(d)})
         fb = ld.copy_files_to_device()
         return {"tensors": {k: fb.get_tensor(k) for k in ld.get_keys()}, "keep": (ld, fb)}
@@ -260,19 +264,14 @@ def _load(method: str, d: str, device: str) -> dict[str, Any]:
 
 def _usage() -> tuple[float, int]:
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return ru.ru_utime + ru.ru_stime, peak_rss()
 
 
 def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
     """One measured run in this (fresh) process."""
     if method == "raw":
         cpu0, _ = _usage()
-        base = _rss()
+        base = reset_peak_rss()
         dt, n = _raw(d, threads)
         cpu1, peak = _usage()
         return {"seconds": dt, "bytes": n, "cpu_s": cpu1 - cpu0, "peak_rss": peak,
@@ -287,7 +286,7 @@ def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
     if method == "phx" or method == "fst-phx":
         import phx.gpu  # noqa: F401
         import phx.loader  # noqa: F401
-    base = _rss()
+    base = reset_peak_rss()
     cpu0, _ = _usage()
     t0 = time.perf_counter()
     res = _load(method, d, device)
