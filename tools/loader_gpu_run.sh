@@ -6,6 +6,7 @@
 #   tools/loader_gpu_run.sh                 build tests bench  (SIZE=8G REPEAT=1)
 #   tools/loader_gpu_run.sh STEP...         any of: build tests bench (setup always runs)
 #   SIZE=4G REPEAT=2 tools/loader_gpu_run.sh    a smaller checkpoint, two repeats
+#   LOADER_TESTS="tests/..." LOADER_BENCH_ARGS=--no-disk   other tests; more bench options
 #
 # Carried (git-ignored): .devcarry/deb (Debian's liburing-dev and liburing2
 # .debs: the box has no liburing headers) and .whl-loader (fastsafetensors
@@ -70,7 +71,7 @@ bench() {
 		--zram "$(python3 -c "
 from phx.bench._common import parse_size
 print(int(parse_size('$SIZE') * 1.1) + (512 << 20))")" \
-		--quiet --json "$OUT/load.json" 2>&1 | tee -a "$LOG" | tail -30
+		--quiet --json "$OUT/load.json" ${LOADER_BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | tail -30
 	rm -rf $BENCHDIR/phx-bench-load
 }
 

@@ -10,6 +10,7 @@
  */
 #include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -350,6 +351,50 @@ out:
 	return ok;
 }
 
+/*
+ * Every lane's staging as one region, 2 MiB aligned and backed by
+ * transparent huge pages where the kernel gives them.  Pinning is most of a
+ * context's start-up: one cuMemHostRegister of the whole region costs
+ * about what one lane's did (measured on an H200: 12-40 ms each, whatever
+ * their size, and serialised), and huge pages make the page walks short.
+ * Faulted in by the lanes' set-up threads, in parallel.
+ */
+static int staging_map(phx_cuda *c)
+{
+	const size_t huge = 2UL << 20;
+	size_t len = (size_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size, head;
+	char *p;
+
+	p = mmap(NULL, len + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return cu_err(-ENOMEM, "mmap of %zu staging bytes failed", len);
+	head = (huge - ((uintptr_t)p & (huge - 1))) & (huge - 1);
+	if (head)
+		munmap(p, head);
+	munmap(p + head + len, huge - head);
+	c->stage = p + head;
+	c->stage_len = len;
+	madvise(c->stage, len, MADV_HUGEPAGE);	/* a hint: 4 KiB pages work too */
+	return 0;
+}
+
+/* After the lanes' threads have faulted it in. */
+static int staging_register(phx_cuda *c)
+{
+	CUresult r;
+
+	/* device-mapped too: the copy kernel of stream ops reads and writes it */
+	r = c->d->MemHostRegister(c->stage, c->stage_len,
+				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostRegister (staging buffers)");
+	c->stage_registered = true;
+	r = c->d->MemHostGetDevicePointer(&c->stage_d, c->stage, 0);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (staging buffers)");
+	return 0;
+}
+
 struct lane_init {
 	phx_cuda *c;
 	uint32_t index;
@@ -374,14 +419,13 @@ static void *lane_init_main(void *arg)
 }
 
 /*
- * Set the lanes up on threads of their own, all at once: a lane's set-up
- * is mostly pinning its staging memory, which the kernel does in parallel
- * for separate ranges, so a context starts several times sooner than lane
- * after lane.  A lane whose thread cannot start is set up here.  The first
- * failure (by lane order) is the one reported; phx_cuda_destroy() frees
- * whatever each lane got.
+ * Set the lanes up on threads of their own, all at once (faulting their
+ * staging in, their engines, streams and events), then register the
+ * staging with CUDA once and start the lanes.  A lane whose set-up thread
+ * cannot start is set up here.  The first failure by lane order is the one
+ * reported; phx_cuda_destroy() frees whatever each lane got.
  */
-static int lanes_setup(phx_cuda *c)
+static int lanes_setup(phx_cuda *c, int64_t *t_reg)
 {
 	struct lane_init *li;
 	pthread_t *thr;
@@ -417,6 +461,11 @@ static int lanes_setup(phx_cuda *c)
 			cu_err_restore(li[i].err);
 		}
 	}
+	*t_reg = phx_now_ns();
+	if (!ret)
+		ret = staging_register(c);
+	for (i = 0; i < c->nlanes && !ret; i++)
+		ret = lane_start(c, &c->lanes[i]);
 out:
 	free(li);
 	free(thr);
@@ -424,23 +473,53 @@ out:
 	return ret;
 }
 
+/* PHX_CUDA_TRACE=1: where a context's start-up went, in us. */
+static void setup_trace(const phx_cuda *c, const int64_t *t)
+{
+	uint32_t i, k;
+
+	fprintf(stderr, "phx-trace create us: flags %lld probes+kernel %lld batch-copy+map %lld "
+		"lanes %lld staging-register+start %lld\n", (long long)(t[1] - t[0]) / 1000,
+		(long long)(t[2] - t[1]) / 1000, (long long)(t[3] - t[2]) / 1000,
+		(long long)(t[4] - t[3]) / 1000, (long long)(t[5] - t[4]) / 1000);
+	for (i = 0; i < c->nlanes; i++) {
+		const int64_t *l = c->lanes[i].setup_ns;
+
+		fprintf(stderr, "phx-trace lane %u us: start %lld", i, (long long)(l[0] - t[3]) / 1000);
+		for (k = 1; k < LANE_SETUP_STEPS; k++)
+			fprintf(stderr, " %lld", l[k] ? (long long)(l[k] - l[k - 1]) / 1000 : -1LL);
+		fprintf(stderr, " (populate engine uring-register stream+events)\n");
+	}
+}
+
 static int ctx_setup(phx_cuda *c)
 {
+	int64_t t[6] = { 0 };
 	int ret;
 
+	t[0] = phx_now_ns();
 	ret = flags_setup(c);
 	if (ret)
 		return ret;
+	t[1] = phx_now_ns();
 	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c) && kernel_load(c);
+	t[2] = phx_now_ns();
 	c->batch_copy = !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY) && batch_copy_works(c);
 	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);
 	c->nlanes = c->cfg.lanes;
 	c->lanes = calloc(c->nlanes, sizeof(*c->lanes));
 	if (!c->lanes)
 		return cu_err(-ENOMEM, "out of memory");
-	ret = lanes_setup(c);
+	ret = staging_map(c);
 	if (ret)
 		return ret;
+	t[3] = phx_now_ns();
+	ret = lanes_setup(c, &t[4]);
+	if (ret)
+		return ret;
+	t[5] = phx_now_ns();
+	if (c->trace)
+		setup_trace(c, t);
 	c->st.staging_bytes = (uint64_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size;
 	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES + DESCS_BYTES;
 	return 0;
@@ -566,6 +645,8 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 		files_drop(c);	/* registered ones: their lane files first */
 		for (i = 0; c->lanes && i < c->nlanes; i++)
 			lane_free(c, &c->lanes[i]);
+		if (c->stage_registered)
+			c->d->MemHostUnregister(c->stage);
 		while (c->nev_free)
 			c->d->EventDestroy(c->ev_free[--c->nev_free]);
 		if (c->flags_registered)
@@ -576,6 +657,8 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 			c->d->ModuleUnload(c->module);
 		ctx_pop(c);
 	}
+	if (c->stage)
+		munmap(c->stage, c->stage_len);
 	if (c->flags)
 		munmap(c->flags, FLAGS_BYTES);
 	if (c->descs)

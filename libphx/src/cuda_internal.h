@@ -299,6 +299,10 @@ struct cu_sbuf {
 	struct cu_piece pieces[CU_MAX_PIECES];
 };
 
+/* lane_setup()'s steps, timed for PHX_CUDA_TRACE: start, staging populated,
+ * engine made, io_uring-registered, stream and events */
+#define LANE_SETUP_STEPS 5
+
 struct cu_lane {
 	phx_cuda *c;
 	uint32_t index;
@@ -312,8 +316,8 @@ struct cu_lane {
 	char *mem;
 	CUdeviceptr mem_d;		/* the same memory, as the GPU sees it */
 	size_t mem_len;
-	bool cuda_registered;
 	bool uring_registered;
+	int64_t setup_ns[LANE_SETUP_STEPS];	/* PHX_CUDA_TRACE: when each step ended */
 	CUstream stream;
 	struct cu_sbuf *bufs;
 	uint32_t nbufs;
@@ -323,6 +327,7 @@ struct cu_lane {
 };
 
 int lane_setup(phx_cuda *c, struct cu_lane *ln, uint32_t index);
+int lane_start(phx_cuda *c, struct cu_lane *ln);
 void lane_stop(phx_cuda *c, struct cu_lane *ln);
 void lane_free(phx_cuda *c, struct cu_lane *ln);
 void lanes_wake(phx_cuda *c, uint32_t want);
@@ -343,6 +348,10 @@ struct phx_cuda {
 	bool fixed_bufs;
 	struct cu_lane *lanes;
 	uint32_t nlanes;
+	char *stage;			/* every lane's staging, one region */
+	size_t stage_len;
+	CUdeviceptr stage_d;		/* the same memory, as the GPU sees it */
+	bool stage_registered;
 
 	pthread_mutex_t lock;
 	struct cu_req *ready_head, *ready_tail;

@@ -53,6 +53,7 @@ static long (*BatchCalls)(void);
 static int (*DeviceSync)(int);
 static void (*FailHostRegister)(int);
 static int (*FakeHostRegistered)(size_t *);
+static void (*FailStreamCreate)(int);
 
 static uint64_t rng = 88172645463325252ull;
 
@@ -541,15 +542,31 @@ static void test_no_memops(phx_engine *eng)
 }
 
 /*
- * Lanes are set up in parallel: a failure in one of them (its staging
- * registration) fails the create with that lane's message, leaves nothing
+ * Lanes are set up in parallel, and the staging of all of them is one
+ * CUDA registration: a failure in a lane (its stream) or in that
+ * registration fails the create with its message and leaves nothing
  * registered, and the next create works.  Staging is 2 MiB aligned (huge
  * pages where the kernel has them).
  */
+static void create_fails(phx_engine *eng, struct phx_cuda_config *cfg, const char *what)
+{
+	phx_cuda *c = (phx_cuda *)cfg;
+	size_t align;
+	int before = FakeHostRegistered(&align), ret;
+
+	ret = phx_cuda_create(eng, cfg, &c);
+	CHECK(ret < 0, "create with a failing %s = %d", what, ret);
+	CHECK(c == NULL, "create failed but gave a context");
+	CHECK(strstr(phx_cuda_strerror_last(), what) != NULL, "message: %s",
+	      phx_cuda_strerror_last());
+	CHECK(FakeHostRegistered(&align) == before, "%d regions left registered",
+	      FakeHostRegistered(&align) - before);
+}
+
 static void test_lane_setup_failure(phx_engine *eng)
 {
 	struct phx_cuda_config cfg;
-	phx_cuda *c = (phx_cuda *)&cfg;
+	phx_cuda *c = NULL;
 	size_t align;
 	int before, ret;
 
@@ -558,17 +575,14 @@ static void test_lane_setup_failure(phx_engine *eng)
 	cfg.lanes = 6;
 	cfg.bufs_per_lane = 2;
 	cfg.buf_size = MiB;
-	FailHostRegister(2 + 3);	/* flags, descriptors, then lanes: the 4th fails */
-	ret = phx_cuda_create(eng, &cfg, &c);
-	CHECK(ret == -ENOMEM, "create with a failing lane = %d", ret);
-	CHECK(c == NULL, "create failed but gave a context");
-	CHECK(strstr(phx_cuda_strerror_last(), "cuMemHostRegister (staging buffers)") != NULL,
-	      "message: %s", phx_cuda_strerror_last());
-	CHECK(FakeHostRegistered(&align) == before, "%d regions left registered",
-	      FakeHostRegistered(&align) - before);
+	FailHostRegister(2);		/* flags, descriptors, then the staging */
+	create_fails(eng, &cfg, "cuMemHostRegister (staging buffers)");
+	FailStreamCreate(1 + 3);	/* the batch-copy probe's, then the lanes' */
+	create_fails(eng, &cfg, "cuStreamCreate (lane)");
 	FailHostRegister(-1);
+	FailStreamCreate(-1);
 	ret = phx_cuda_create(eng, &cfg, &c);
-	CHECK(ret == 0, "create after a failed one = %d", ret);
+	CHECK(ret == 0, "create after failed ones = %d", ret);
 	FakeHostRegistered(&align);
 	CHECK(align >= 2 * MiB, "staging aligned to %zu bytes only", align);
 	if (!ret)
@@ -600,6 +614,7 @@ int main(int argc, char **argv)
 	*(void **)&DeviceSync = dlsym(h, "fake_device_sync");
 	*(void **)&FailHostRegister = dlsym(h, "fake_fail_host_register");
 	*(void **)&FakeHostRegistered = dlsym(h, "fake_host_registered");
+	*(void **)&FailStreamCreate = dlsym(h, "fake_fail_stream_create");
 
 	CHECK(phx_cuda_available(why, sizeof(why)) == 1, "available: %s", why);
 	CHECK(phx_engine_create(NULL, &eng) == 0, "engine");

@@ -17,6 +17,7 @@
 #define _GNU_SOURCE
 #endif
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -501,8 +502,27 @@ static struct op *op_new(int kind)
 	return o;
 }
 
+/* fake_fail_stream_create(k): the (k+1)-th cuStreamCreate from now fails, once. */
+static int stream_fail_in = -1;
+
+void fake_fail_stream_create(int k)
+{
+	pthread_mutex_lock(&mem_lock);
+	stream_fail_in = k;
+	pthread_mutex_unlock(&mem_lock);
+}
+
 CUresult cuStreamCreate(struct stream **s, unsigned f)
 {
+	bool fail;
+
+	pthread_mutex_lock(&mem_lock);
+	fail = stream_fail_in == 0;
+	if (stream_fail_in >= 0)
+		stream_fail_in--;
+	pthread_mutex_unlock(&mem_lock);
+	if (fail)
+		return 2;
 	*s = stream_new();
 	return OK;
 }
