@@ -17,6 +17,7 @@ Fixtures
 ``small_ext4``     a ~16 MiB loop-mounted ext4 (root), for ENOSPC
 ``ramfs_dir``      a ramfs mount (root): refuses O_DIRECT
 ``engine``         a fresh ``phx.Engine()`` for counter tests
+``real_gpu_marks()``  ``pytestmark`` of the suites that need a real CUDA GPU
 """
 from __future__ import annotations
 
@@ -388,6 +389,22 @@ def small_fs(request):
 def engine():
     import phx
     return phx.Engine()
+
+
+def real_gpu_marks() -> list:
+    """``pytestmark = real_gpu_marks()`` for a suite that needs a real CUDA GPU:
+    marks it ``gpu`` and skips it unless phx.gpu can work (its module built, a
+    CUDA driver and device) and torch sees a CUDA device; the reason says
+    which was missing.  The caller imports torch first (``importorskip``): a
+    suite without torch skips as "torch not installed", not here."""
+    import phx.gpu
+    import torch
+    ok, why = phx.gpu.is_available()
+    if ok and not torch.cuda.is_available():
+        why = "torch sees no CUDA device"
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(not (ok and torch.cuda.is_available()),
+                               reason=f"no usable GPU: {why}")]
 
 
 def torch_or_skip():

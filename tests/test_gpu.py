@@ -14,17 +14,13 @@ import pytest
 
 import phx
 import phx.gpu
+from conftest import real_gpu_marks
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 torch = pytest.importorskip("torch")
-_ok, _why = phx.gpu.is_available()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (_ok and torch.cuda.is_available()),
-                       reason=f"no usable GPU: {_why}"),
-]
+pytestmark = real_gpu_marks()
 
 
 # ---------------------------------------------------------------------------

@@ -16,18 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-import phx.gpu  # noqa: E402
 from phx import loader  # noqa: E402
 from phx.loader import CheckpointError  # noqa: E402
 
+from conftest import real_gpu_marks  # noqa: E402
 from test_loader import rand_tensor, random_state, raw, write_sharded  # noqa: E402
 
-_ok, _why = phx.gpu.is_available()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (_ok and torch.cuda.is_available()),
-                       reason=f"no usable GPU: {_why if not _ok else 'torch sees no CUDA device'}"),
-]
+pytestmark = real_gpu_marks()
 MiB = 1 << 20
 
 
