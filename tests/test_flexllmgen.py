@@ -58,7 +58,7 @@ def test_flexgen_imports_and_phxdisk_is_a_disk():
 
 
 @pytest.mark.parametrize("dev", ["cpu", "cuda"])
-@pytest.mark.parametrize("mode", ["dual", "direct", "cachepolicy"])
+@pytest.mark.parametrize("mode", ["dual", "dual+write-behind", "direct", "cachepolicy"])
 def test_phxdisk_through_general_copy(kvdir, mode, dev):
     """FlexLLMGen's KV traffic through its general_copy onto PhxDisk (CPU tensors
     here; CUDA tensors through the Co-DMA relays on a GPU): every read returns the
@@ -73,8 +73,10 @@ def test_phxdisk_through_general_copy(kvdir, mode, dev):
     cpu = host if dev == "cpu" else pb.TorchDevice("cuda:0")
     tb = 45 * 16 * 16 * 2                       # (prompt+gen-1, B*heads, head_dim) fp16
     budget = 3 * 2 * 24576 if mode != "direct" else None    # 3 layers of 6
+    mode, _, wb = mode.partition("+")
     d = PhxDisk(os.path.join(kvdir, mode), mode=mode, budget=budget, num_copy_threads=4,
-                relay_bytes=tb if dev == "cuda" else None)
+                relay_bytes=tb if dev == "cuda" else None, write_behind=bool(wb))
+    assert d.store.write_behind is bool(wb)
     caches = [d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol) for _ in range(6)]
     assert caches[0][0].shape == (45, 16, 16) and caches[0][0].data.nbytes == tb
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))

@@ -133,12 +133,14 @@ class PhxDisk:
             the run; default: made on the first GPU copy from the tensors then).
         budget, reserve: passed to the store (B_pc override / budgeter reserve).
         strategy: force Overlap-Intra or -Cross (default: adaptive, dual only).
+        write_behind: passed to the store (start the writeback of large page-cache
+            writes at once; off by default).
     """
 
     def __init__(self, path, mem_capacity=None, cuda_id=0, num_copy_threads=4, *,
                  mode: str = "dual", relay_bytes: int | None = None,
                  budget: int | None = None, reserve: int | None = None,
-                 strategy: str | None = None):
+                 strategy: str | None = None, write_behind: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.name = path
@@ -151,6 +153,7 @@ class PhxDisk:
         self.num_copy_threads = num_copy_threads
         self._budget, self._reserve = budget, reserve
         self._strategy = strategy
+        self._write_behind = bool(write_behind)
         self.relays = None
         if relay_bytes and torch.cuda.is_available():
             # made once, outside any later memory cap (FlexLLMGen's relays are too),
@@ -179,6 +182,7 @@ class PhxDisk:
         smode = {"dual": "dual", "direct": "direct", "cachepolicy": "pagecache"}[self.mode]
         self.store = KVStore(self.path, mode=smode, budget=self._budget, reserve=self._reserve,
                              copy_threads=self.num_copy_threads, relays=self.relays,
+                             write_behind=self._write_behind,
                              device=self.cuda_id if self.relays is None and
                              torch.cuda.is_available() else None)
         self._planned = False

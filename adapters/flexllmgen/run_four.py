@@ -181,7 +181,8 @@ def worker(conf: dict, out: str | None = None) -> dict:
         pinned = len(disk.copy_threads) * 2 * 1024 ** 3     # 1 Gi fp16 elements each
     else:
         disk = PhxDisk(os.path.join(root, "warm"), mode=cfg, relay_bytes=tb, reserve=allowance,
-                       strategy=conf.get("strategy"))
+                       strategy=conf.get("strategy"),
+                       write_behind=conf.get("write_behind") and cfg == "dual")
         pinned = disk.relays.pinned_bytes if disk.relays else 0
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     opt_config = fo.get_opt_config(conf["model"])
@@ -414,6 +415,9 @@ def main(argv=None) -> int:
     p.add_argument("--allowance", type=int, default=256 * MiB,
                    help="bytes of the cap beyond the KV share (the run's new non-KV memory)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--write-behind", action="store_true",
+                   help="Dual-Blade starts the writeback of its large page-cache writes at once "
+                        "(phx.kv.KVStore write_behind; an experiment, off by default)")
     p.add_argument("--dir", default="/var/tmp/flexkv")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -430,7 +434,7 @@ def main(argv=None) -> int:
     conf = {"model": a.model, **MODELS[a.model], "batch": a.batch, "prompt": a.prompt,
             "gen": a.gen, "caps": [float(x) for x in a.caps.split(",")],
             "configs": [c for c in a.configs.split(",") if c], "allowance": a.allowance,
-            "seed": a.seed}
+            "seed": a.seed, "write_behind": a.write_behind}
     if "stock" not in conf["configs"]:
         print("run_four: the stock configuration is the reference for the token ids",
               file=sys.stderr)

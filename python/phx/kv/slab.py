@@ -311,12 +311,30 @@ class Done:
         return self._n
 
 
-class PageCacheBackend(_FileBackendBase):
-    """One ordinary file read and written through the page cache (Group 1)."""
+#: the smallest page-cache write that ``write_behind`` starts the writeback of:
+#: with large folios, writing back a decode step's one-row append would write a
+#: whole folio (up to 2 MiB) for a few KiB
+WRITE_BEHIND_MIN = 1 << 20
 
-    def __init__(self, path: str):
+
+class PageCacheBackend(_FileBackendBase):
+    """One ordinary file read and written through the page cache (Group 1).
+
+    ``write_behind``: start the writeback of every write of at least
+    :data:`WRITE_BEHIND_MIN` bytes at once (``sync_file_range(
+    SYNC_FILE_RANGE_WRITE)``, not waited for), so Group 1's pages turn clean
+    while they stay cached.  Why one might: left dirty, a prefill's worth of KV
+    is written back by the flusher later, during decode, and under a memory cap
+    dirty pages cannot be reclaimed without waiting for their writeback.  On the
+    H200 every page-cache configuration of the FlexLLMGen runs (stock
+    FlexLLMGen too) had one decode step of ~2 s where the others took
+    0.2-0.6 s; whether this removes it is not measured yet (docs/kv.md).
+    """
+
+    def __init__(self, path: str, write_behind: bool = False):
         super().__init__(path, None)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self.write_behind = write_behind
 
     def fileno(self) -> int:
         return self._fd
@@ -346,6 +364,8 @@ class PageCacheBackend(_FileBackendBase):
             if n <= 0:
                 raise OSError(errno.EIO, f"short write at {offset + done}", self.path)
             done += n
+        if self.write_behind and done >= WRITE_BEHIND_MIN:
+            _sys.start_writeback(self._fd, offset, done, self.path)
 
     def write_async(self, buf, offset: int) -> Done:
         """Buffered writes are a copy into the page cache: done on return."""

@@ -178,18 +178,24 @@ class KVStore:
         copy_threads: relays for GPU transfers (the paper's N_threads).
         relays: a :class:`~phx.kv.codma.RelayPool` to use instead of making one
             (e.g. one pool kept over several stores); not closed by :meth:`destroy`.
+        write_behind: start the writeback of each page-cache write of at least
+            :data:`~phx.kv.slab.WRITE_BEHIND_MIN` bytes at once, so Group 1 stays
+            cached but clean (off by default: an experiment, not yet measured
+            where it matters; see docs/kv.md, "Write-behind").
     """
 
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
                  reserve: int | None = None, pinned_bytes: int = 0,
                  direct_backend: DirectBackend | None = None,
                  slab_capacity: int | None = None, engine=None,
-                 device: int | None = None, copy_threads: int = 2, relays=None):
+                 device: int | None = None, copy_threads: int = 2, relays=None,
+                 write_behind: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.mode = mode
+        self.write_behind = bool(write_behind)
         self.budget_override = budget
         self.reserve = reserve
         self.pinned_bytes = pinned_bytes
@@ -332,7 +338,8 @@ class KVStore:
 
     def _pagecache(self) -> PageCacheBackend:
         if self._pc is None:
-            self._pc = PageCacheBackend(os.path.join(self.directory, "kv-pagecache.bin"))
+            self._pc = PageCacheBackend(os.path.join(self.directory, "kv-pagecache.bin"),
+                                        write_behind=self.write_behind)
         return self._pc
 
     def _direct_backend(self) -> DirectBackend:
