@@ -49,11 +49,17 @@ def fake_build(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("batch", ["batch-copy", "no-batch-copy"])
-def test_c_api_against_fake_cuda(fake_build, tmp_path, batch):
+@pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3"])
+def test_c_api_against_fake_cuda(fake_build, tmp_path, mode):
+    """cuda_fake_test.c; with devices-N it runs its one-process, N-device tests
+    (a context per device, a thread feeding each, EXDEV across devices, staging
+    on the device's NUMA node through a fake sysfs) instead of the others."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
-    if batch == "no-batch-copy":
+    env.pop("PHX_TEST_SYSFS_ROOT", None)
+    if mode == "no-batch-copy":
         env["FAKE_CUDA_NO_BATCH"] = "1"
+    if mode.startswith("devices-"):
+        env["FAKE_CUDA_DEVICES"] = mode.split("-")[1]
     r = subprocess.run([str(fake_build / "cuda_fake_test"), str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -133,6 +133,16 @@ enum {
 uint32_t phx_cuda_features(const phx_cuda *cu);
 
 /*
+ * The NUMA node the context's staging memory is bound to (the GPU's, on a
+ * machine of several nodes), or -1 when it is not bound: one node, a node
+ * the firmware does not report, or a refused mbind (not an error: staging
+ * then goes where the kernel puts it).  phx_cuda_device_numa_node() gives
+ * *@node for @device as sysfs reports it (-1 unknown); 0 or -ENODEV.
+ */
+int phx_cuda_staging_node(const phx_cuda *cu);
+int phx_cuda_device_numa_node(int device, int *node);
+
+/*
  * Register @f with the context (like cuFileHandleRegister): each lane
  * adopts its fd now and keeps it until phx_cuda_file_deregister().  Without
  * it, lanes adopt a file's fd on first use and drop it when no request of

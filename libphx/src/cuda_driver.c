@@ -8,7 +8,8 @@
  * cuMemcpyBatchAsync (CUDA >= 12.8) is optional: it is resolved with
  * cuGetProcAddress for the 12.8 ABI, so newer drivers keep answering with
  * the signature declared here, and the lanes fall back to one copy call per
- * piece without it.
+ * piece without it.  cuDeviceGetPCIBusId is optional too: it only finds
+ * the GPU's NUMA node for the staging (cuda_context.c).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -149,6 +150,8 @@ static void drv_load(void)
 	SYM(GetErrorString, "cuGetErrorString");
 	SYM(PointerGetAttribute, "cuPointerGetAttribute");
 #undef SYM
+	/* optional: without it staging is not placed on the GPU's NUMA node */
+	*(void **)&drv.DeviceGetPCIBusId = dlsym(h, "cuDeviceGetPCIBusId");
 	r = drv.Init(0);
 	if (r != CUDA_SUCCESS) {
 		drv_err = -ENODEV;

@@ -125,6 +125,8 @@ struct cu_driver {
 				     size_t *sizes, size_t count,
 				     struct cu_memcpy_attr *attrs, size_t *attr_idxs,
 				     size_t nattrs, size_t *fail_idx, CUstream s);
+	/* optional (staging's NUMA node only), else NULL */
+	CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);
 };
 
 /* The driver table once libcuda is loaded, else NULL (and the reason set). */
@@ -352,6 +354,8 @@ struct phx_cuda {
 	size_t stage_len;
 	CUdeviceptr stage_d;		/* the same memory, as the GPU sees it */
 	bool stage_registered;
+	int stage_node;			/* NUMA node staging is bound to, or -1 */
+	int stage_node_err;		/* why not bound: -errno (PHX_CUDA_TRACE) */
 
 	pthread_mutex_t lock;
 	struct cu_req *ready_head, *ready_tail;
@@ -393,5 +397,8 @@ void slot_put_locked(phx_cuda *c, uint32_t slot);
 int descs_get(phx_cuda *c, struct cu_stage *st, uint32_t n);
 void descs_put_locked(phx_cuda *c, struct cu_stage *st, uint32_t n);
 void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
+/* Staging placement helpers, exposed for tests/gpu_fake/cuda_fake_test.c. */
+int cu_pci_sysfs_name(const char *bus_id, char *out, size_t len);
+int cu_node_list_count(const char *list);
 
 #endif /* PHX_CUDA_INTERNAL_H */

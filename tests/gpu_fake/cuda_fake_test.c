@@ -5,7 +5,9 @@
  * Run by tests/test_gpu_fake.py with the fake as libcuda.so.1.  "Device"
  * memory is host memory there, so every check compares bytes directly with
  * the file.  Data is random, sizes, offsets and GPU addresses unaligned.
- * Exit 0 = all passed; a failure prints what and where.
+ * With FAKE_CUDA_DEVICES=N (N > 1) it runs the tests of one process feeding
+ * N devices instead (test_devices()).  Exit 0 = all passed; a failure
+ * prints what and where.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -19,12 +21,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/mempolicy.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "phx.h"
 #include "phx_cuda.h"
+#include "cuda_internal.h"	/* the staging region's address; the parsers */
 
 #define KiB 1024ull
 #define MiB (1024ull * 1024)
@@ -54,6 +59,10 @@ static int (*DeviceSync)(int);
 static void (*FailHostRegister)(int);
 static int (*FakeHostRegistered)(size_t *);
 static void (*FailStreamCreate)(int);
+static int (*PrimaryCtxRetain)(void **, int);
+static int (*PrimaryCtxRelease)(int);
+static int (*CtxSetCurrent)(void *);
+static int (*CtxRetained)(int);
 
 static uint64_t rng = 88172645463325252ull;
 
@@ -590,12 +599,260 @@ static void test_lane_setup_failure(phx_engine *eng)
 	CHECK(FakeHostRegistered(&align) == before, "destroy left regions registered");
 }
 
+/* ------------------------------------------------------------------------ */
+/* Staging on the GPU's NUMA node                                           */
+/* ------------------------------------------------------------------------ */
+
+static void test_node_parsers(void)
+{
+	char name[32];
+
+	CHECK(cu_pci_sysfs_name("0000:1B:00.0", name, sizeof(name)) == 0 &&
+	      !strcmp(name, "0000:1b:00.0"), "upper-case bus id: %s", name);
+	CHECK(cu_pci_sysfs_name("00000000:C3:1f.7", name, sizeof(name)) == 0 &&
+	      !strcmp(name, "0000:c3:1f.7"), "8-digit domain: %s", name);
+	CHECK(cu_pci_sysfs_name("10000:01:00.0", name, sizeof(name)) == 0 &&
+	      !strcmp(name, "10000:01:00.0"), "VMD domain: %s", name);
+	CHECK(cu_pci_sysfs_name("0000:1b:00.0x", name, sizeof(name)) == -EINVAL, "trailing junk");
+	CHECK(cu_pci_sysfs_name("0000:1b:20.0", name, sizeof(name)) == -EINVAL, "device 0x20");
+	CHECK(cu_pci_sysfs_name("garbage", name, sizeof(name)) == -EINVAL, "garbage");
+	CHECK(cu_pci_sysfs_name("0000:1b:00.0", name, 8) == -ENAMETOOLONG, "short buffer");
+	CHECK(cu_node_list_count("0\n") == 1, "0");
+	CHECK(cu_node_list_count("0-1\n") == 2, "0-1");
+	CHECK(cu_node_list_count("0,2-3,7") == 4, "0,2-3,7");
+	CHECK(cu_node_list_count("") == -EINVAL, "empty");
+	CHECK(cu_node_list_count("3-1") == -EINVAL, "3-1");
+	CHECK(cu_node_list_count("0;1") == -EINVAL, "0;1");
+}
+
+static void write_text(const char *path, const char *text)
+{
+	char cmd[1024];
+	FILE *fp;
+
+	snprintf(cmd, sizeof(cmd), "mkdir -p \"$(dirname '%s')\"", path);
+	if (system(cmd)) {
+		perror("mkdir");
+		exit(2);
+	}
+	fp = fopen(path, "w");
+	if (!fp || fputs(text, fp) < 0 || fclose(fp)) {
+		perror(path);
+		exit(2);
+	}
+}
+
+/*
+ * A fake sysfs: the machine's node list, and device @d's numa_node file
+ * (NULL: none) under the bus id the fake libcuda gives it.
+ */
+static void fake_sysfs(const char *online, int d, const char *node)
+{
+	char root[300], p[600];
+
+	snprintf(root, sizeof(root), "%s/sysfs", dir);
+	setenv("PHX_TEST_SYSFS_ROOT", root, 1);
+	snprintf(p, sizeof(p), "%s/devices/system/node/online", root);
+	write_text(p, online);
+	snprintf(p, sizeof(p), "%s/bus/pci/devices/0000:%02x:00.0/numa_node", root, 0x1b + 0x10 * d);
+	if (node)
+		write_text(p, node);
+	else
+		unlink(p);
+}
+
+/* The policy of the staging region's first page: MPOL_* and its node mask. */
+static int stage_policy(phx_cuda *c, unsigned long *mask)
+{
+	int mode = -1;
+
+	*mask = 0;
+	if (syscall(SYS_get_mempolicy, &mode, mask, 8 * sizeof(*mask), c->stage, MPOL_F_ADDR))
+		return -1;
+	return mode;
+}
+
+/* Is node 1 one this process may allocate on (a real second node)? */
+static bool have_node1(void)
+{
+	return access("/sys/devices/system/node/node1", F_OK) == 0;
+}
+
+static void staging_case(phx_engine *eng, const char *online, const char *node, int want)
+{
+	unsigned long mask;
+	phx_cuda *c;
+	int mode, got;
+
+	if (online)
+		fake_sysfs(online, 0, node);
+	else
+		unsetenv("PHX_TEST_SYSFS_ROOT");
+	c = ctx(eng, 2, 2, 64 * KiB, 0);
+	got = phx_cuda_staging_node(c);
+	mode = stage_policy(c, &mask);
+	CHECK(got == want, "online %s numa_node %s: staging node %d, want %d",
+	      online ? online : "(/sys)", node ? node : "(none)", got, want);
+	if (want >= 0)
+		CHECK(mode == MPOL_PREFERRED && mask == 1UL << want,
+		      "staging policy %d mask %#lx, want MPOL_PREFERRED node %d", mode, mask, want);
+	else
+		CHECK(mode == MPOL_DEFAULT, "unbound staging has policy %d", mode);
+	CHECK(phx_cuda_device_numa_node(0, &got) == 0, "device_numa_node");
+	phx_cuda_destroy(c);
+}
+
+static void test_staging_node(phx_engine *eng)
+{
+	int node = 7;
+
+	/* the real /sys here: no PCI device of the fake's bus id */
+	staging_case(eng, NULL, NULL, -1);
+	/* two nodes, the GPU on node 0: bound (node 0 exists on every machine) */
+	staging_case(eng, "0-1\n", "0\n", 0);
+	CHECK(phx_cuda_device_numa_node(0, &node) == 0 && node == 0, "device node %d", node);
+	/* one node: nothing to choose */
+	staging_case(eng, "0\n", "0\n", -1);
+	/* the firmware does not say (the H200 box's files read -1) */
+	staging_case(eng, "0-1\n", "-1\n", -1);
+	CHECK(phx_cuda_device_numa_node(0, &node) == 0 && node == -1, "device node %d", node);
+	staging_case(eng, "0-1\n", NULL, -1);
+	staging_case(eng, "0-1\n", "junk\n", -1);
+	/* node 1: mbind refuses it where there is no such node */
+	staging_case(eng, "0-1\n", "1\n", have_node1() ? 1 : -1);
+	/* a driver that cannot give the bus id */
+	setenv("FAKE_CUDA_NO_PCI_BUS_ID", "1", 1);
+	staging_case(eng, "0-1\n", "0\n", -1);
+	unsetenv("FAKE_CUDA_NO_PCI_BUS_ID");
+	CHECK(phx_cuda_device_numa_node(5, &node) == -ENODEV, "device 5 exists?");
+	unsetenv("PHX_TEST_SYSFS_ROOT");
+}
+
+/* ------------------------------------------------------------------------ */
+/* One process, several devices (FAKE_CUDA_DEVICES=N)                       */
+/* ------------------------------------------------------------------------ */
+
+#define MAX_DEVS 8
+
+struct dev_arg {
+	phx_cuda *c;
+	phx_engine *eng;
+	void *cu_ctx;			/* the device's primary context */
+	const unsigned char *data;
+	size_t fsize;
+	int dev;
+	uint64_t bytes;			/* read into this device */
+};
+
+/* A thread feeding one device: host-async and stream-ordered reads. */
+static void *dev_main(void *arg)
+{
+	struct dev_arg *a = arg;
+	uint64_t buf;
+	phx_file *f;
+	void *s;
+	int k;
+
+	CtxSetCurrent(a->cu_ctx);	/* as torch.cuda.set_device() would */
+	CHECK(StreamCreate(&s, 1) == 0 && MemAlloc(&buf, 2 * MiB + 100) == 0,
+	      "device %d: stream and memory", a->dev);
+	if (phx_file_open(a->eng, path_of("multi.bin"), O_RDONLY, 0, 0, &f)) {
+		CHECK(0, "device %d: open: %s", a->dev, phx_strerror_last());
+		return NULL;
+	}
+	for (k = 0; k < 16; k++) {
+		size_t size = 1 + rnd() % MiB;
+		int64_t foff = (int64_t)(rnd() % (a->fsize - size)), boff = 1 + (int64_t)(rnd() % 999);
+		int64_t done = -7;
+
+		memset(dev(buf), 0, 2 * MiB + 100);
+		if (k % 2) {
+			CHECK(phx_cuda_read_async(a->c, f, buf, &size, &foff, &boff, &done, s) == 0,
+			      "device %d read_async", a->dev);
+			StreamSynchronize(s);
+		} else {
+			done = phx_cuda_pread(a->c, f, buf + (uint64_t)boff, size, (uint64_t)foff);
+		}
+		CHECK(done == (int64_t)size, "device %d op %d = %" PRId64, a->dev, k, done);
+		CHECK(!memcmp(dev(buf + (uint64_t)boff), a->data + foff, size),
+		      "device %d op %d bytes", a->dev, k);
+		a->bytes += size;
+	}
+	phx_file_close(f);
+	MemFree(buf);
+	CtxSetCurrent(NULL);
+	return NULL;
+}
+
+static void test_devices(phx_engine *eng, int ndev)
+{
+	struct dev_arg a[MAX_DEVS];
+	pthread_t t[MAX_DEVS];
+	size_t fsize = 8 * MiB + 5;
+	unsigned char *data = make_file("multi.bin", fsize);
+	struct phx_cuda_config cfg;
+	phx_file *f;
+	uint64_t other;
+	int d, node;
+
+	/* device 0 on node 0, device 1 says -1, the others have no file */
+	fake_sysfs("0-1\n", 0, "0\n");
+	fake_sysfs("0-1\n", 1, "-1\n");
+	for (d = 0; d < ndev; d++) {
+		a[d] = (struct dev_arg){ .eng = eng, .data = data, .fsize = fsize, .dev = d };
+		CHECK(PrimaryCtxRetain(&a[d].cu_ctx, d) == 0, "retain %d", d);
+		phx_cuda_config_init(&cfg);
+		cfg.device = d;
+		cfg.lanes = 2;
+		cfg.bufs_per_lane = 2;
+		cfg.buf_size = 128 * KiB;
+		cfg.max_io_size = 64 * KiB;
+		CHECK(phx_cuda_create(eng, &cfg, &a[d].c) == 0, "create on device %d", d);
+		if (!a[d].c)
+			exit(1);
+		CHECK(phx_cuda_staging_node(a[d].c) == (d == 0 ? 0 : -1),
+		      "device %d staging node %d", d, phx_cuda_staging_node(a[d].c));
+		CHECK(phx_cuda_device_numa_node(d, &node) == 0 && node == (d == 0 ? 0 : -1),
+		      "device %d numa node %d", d, node);
+	}
+	CHECK(phx_cuda_device_numa_node(ndev, &node) == -ENODEV, "device %d exists?", ndev);
+	unsetenv("PHX_TEST_SYSFS_ROOT");
+	for (d = 0; d < ndev; d++)
+		pthread_create(&t[d], NULL, dev_main, &a[d]);
+	for (d = 0; d < ndev; d++)
+		pthread_join(t[d], NULL);
+	for (d = 0; d < ndev; d++) {
+		struct phx_cuda_stats st;
+
+		phx_cuda_stats(a[d].c, &st);
+		CHECK(st.bytes_read == a[d].bytes && st.reads == 16,
+		      "device %d counted %" PRIu64 " bytes in %" PRIu64 " reads, read %" PRIu64
+		      " in 16", d, st.bytes_read, st.reads, a[d].bytes);
+	}
+	/* memory of the last device handed to device 0's context */
+	CtxSetCurrent(a[ndev - 1].cu_ctx);
+	MemAlloc(&other, 4096);
+	CtxSetCurrent(NULL);
+	phx_file_open(eng, path_of("multi.bin"), O_RDONLY, 0, 0, &f);
+	CHECK(phx_cuda_pread(a[0].c, f, other, 4096, 0) == -EXDEV,
+	      "device %d memory accepted by device 0's context", ndev - 1);
+	phx_file_close(f);
+	for (d = 0; d < ndev; d++) {
+		phx_cuda_destroy(a[d].c);
+		CHECK(CtxRetained(d) == 1, "device %d: %d primary-context references, want the test's 1",
+		      d, CtxRetained(d));
+		PrimaryCtxRelease(d);
+	}
+	free(data);
+}
+
 int main(int argc, char **argv)
 {
 	phx_engine *eng;
 	phx_cuda *c;
 	void *h, *s1, *s2;
 	char why[256];
+	int ndev;
 
 	snprintf(dir, sizeof(dir), "%s", argc > 1 ? argv[1] : "/tmp");
 	h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
@@ -615,9 +872,20 @@ int main(int argc, char **argv)
 	*(void **)&FailHostRegister = dlsym(h, "fake_fail_host_register");
 	*(void **)&FakeHostRegistered = dlsym(h, "fake_host_registered");
 	*(void **)&FailStreamCreate = dlsym(h, "fake_fail_stream_create");
+	*(void **)&PrimaryCtxRetain = dlsym(h, "cuDevicePrimaryCtxRetain");
+	*(void **)&PrimaryCtxRelease = dlsym(h, "cuDevicePrimaryCtxRelease_v2");
+	*(void **)&CtxSetCurrent = dlsym(h, "cuCtxSetCurrent");
+	*(void **)&CtxRetained = dlsym(h, "fake_ctx_retained");
 
 	CHECK(phx_cuda_available(why, sizeof(why)) == 1, "available: %s", why);
 	CHECK(phx_engine_create(NULL, &eng) == 0, "engine");
+	test_node_parsers();
+	ndev = getenv("FAKE_CUDA_DEVICES") ? atoi(getenv("FAKE_CUDA_DEVICES")) : 1;
+	if (ndev > 1) {
+		test_devices(eng, ndev < MAX_DEVS ? ndev : MAX_DEVS);
+		goto out;
+	}
+	test_staging_node(eng);
 	StreamCreate(&s1, 1);
 	StreamCreate(&s2, 1);
 
@@ -639,6 +907,7 @@ int main(int argc, char **argv)
 	test_lane_setup_failure(eng);
 	/* every host function libphx queued returned at once */
 	CHECK(HostfnMax() < 20 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
+out:
 	phx_engine_destroy(eng);
 	if (failures) {
 		fprintf(stderr, "%d failures\n", failures);

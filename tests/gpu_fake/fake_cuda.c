@@ -12,6 +12,20 @@
  * (a busy stream) and fake_hostfn_max_ns() (the longest host function).
  * FAKE_CUDA_NO_BATCH=1 hides cuMemcpyBatchAsync; FAKE_CUDA_NO_MEMOPS=1 makes
  * cuStreamWaitValue32 fail.
+ *
+ * Devices: FAKE_CUDA_DEVICES=N (1..8, default 1) fakes N devices, each with
+ * its primary context and a PCI bus id (cuDeviceGetPCIBusId, "0000:1B:00.0"
+ * for device 0, bus 0x1b + 0x10 per ordinal, upper-case as the driver spells
+ * it).  Each thread has a context stack; allocations, streams and events
+ * belong to the device whose context is current when they are made, and
+ * cuPointerGetAttribute answers that device's ordinal.  With several devices
+ * the fake is strict where a mix-up would go unseen on host memory: a call
+ * that needs a context fails with CUDA_ERROR_INVALID_CONTEXT (201) when none
+ * is current, work queued on a stream needs that stream's context current,
+ * and a copy or event on a stream must concern that stream's device
+ * (stricter than CUDA, which would copy between devices over peer access:
+ * phx never means to).  With one device, calls without a current context
+ * act on device 0, as the single-device tests have always relied on.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -31,8 +45,10 @@ typedef void (*CUhostFn)(void *);
 
 #define OK 0
 #define EINVALID 1
+#define ENOCTX 201		/* CUDA_ERROR_INVALID_CONTEXT */
 #define ENOTREADY 600
 #define ENOTSUP 801
+#define MAX_DEV 8
 
 static int64_t now_ns(void)
 {
@@ -61,10 +77,54 @@ static void api_enter(void)
 	pthread_mutex_unlock(&api_lock);
 }
 
+/* ---- devices and the calling thread's context stack ---- */
+
+struct fake_ctx {
+	int dev;
+	int retained;			/* cuDevicePrimaryCtxRetain - Release */
+};
+
+static struct fake_ctx ctxs[MAX_DEV];
+static int ndev = 1;
+static pthread_once_t dev_once = PTHREAD_ONCE_INIT;
+
+static void dev_init(void)
+{
+	const char *v = getenv("FAKE_CUDA_DEVICES");
+	int i;
+
+	if (v && atoi(v) >= 1)
+		ndev = atoi(v) > MAX_DEV ? MAX_DEV : atoi(v);
+	for (i = 0; i < MAX_DEV; i++)
+		ctxs[i].dev = i;
+}
+
+static int ndevices(void)
+{
+	pthread_once(&dev_once, dev_init);
+	return ndev;
+}
+
+#define CTX_DEPTH 16
+static __thread struct fake_ctx *ctx_stack[CTX_DEPTH];
+static __thread int ctx_depth;
+
+/*
+ * The device of the calling thread's current context; -1 when none is
+ * current and there are several devices (one device: 0, see the top).
+ */
+static int cur_dev(void)
+{
+	if (ctx_depth)
+		return ctx_stack[ctx_depth - 1]->dev;
+	return ndevices() == 1 ? 0 : -1;
+}
+
 /* ---- memory ---- */
 
 struct alloc {
 	uint64_t base, size;
+	int dev;
 	struct alloc *next;
 };
 
@@ -81,27 +141,33 @@ static struct alloc *find_alloc(uint64_t p)
 	return NULL;
 }
 
-static int dev_range_ok(uint64_t p, size_t n)
+/* Is [p, p + n) inside one allocation?  Its device, or -1. */
+static int dev_range(uint64_t p, size_t n)
 {
 	struct alloc *a;
-	int ok;
+	int dev;
 
 	pthread_mutex_lock(&mem_lock);
 	a = find_alloc(p);
-	ok = a && p + n <= a->base + a->size;
+	dev = a && p + n <= a->base + a->size ? a->dev : -1;
 	pthread_mutex_unlock(&mem_lock);
-	return ok;
+	return dev;
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
-	struct alloc *a = calloc(1, sizeof(*a));
+	struct alloc *a;
 	void *m = NULL;
+	int dev = cur_dev();
 
+	if (dev < 0)
+		return ENOCTX;
+	a = calloc(1, sizeof(*a));
 	if (!a || posix_memalign(&m, 256, n ? n : 1))
 		return 2;
 	a->base = (uint64_t)(uintptr_t)m;
 	a->size = n;
+	a->dev = dev;
 	pthread_mutex_lock(&mem_lock);
 	a->next = allocs;
 	allocs = a;
@@ -132,14 +198,14 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
 {
 	api_enter();
-	int ok = dev_range_ok(p, 1);
+	int dev = dev_range(p, 1);
 
-	if (!ok)
+	if (dev < 0)
 		return EINVALID;
 	if (attr == 2)
 		*(unsigned int *)out = 2;	/* CU_MEMORYTYPE_DEVICE */
 	else if (attr == 9)
-		*(int *)out = 0;
+		*(int *)out = dev;
 	return OK;
 }
 
@@ -189,6 +255,8 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f)
 {
 	CUresult r = OK;
 
+	if (cur_dev() < 0)
+		return ENOCTX;
 	pthread_mutex_lock(&mem_lock);
 	if (hostreg_fail_in == 0)
 		r = 2;
@@ -304,11 +372,17 @@ struct event {
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	uint64_t recorded, reached;
+	int dev;
 };
 
 CUresult cuEventCreate(struct event **e, unsigned f)
 {
+	int dev = cur_dev();
+
+	if (dev < 0)
+		return ENOCTX;
 	*e = calloc(1, sizeof(**e));
+	(*e)->dev = dev;
 	pthread_mutex_init(&(*e)->lock, NULL);
 	pthread_cond_init(&(*e)->cond, NULL);
 	return OK;
@@ -364,6 +438,7 @@ struct stream {
 	struct op *head, *tail;
 	int busy;
 	pthread_t thr;
+	int dev;			/* -1: the legacy stream, any device's */
 };
 
 static long kernels_run;
@@ -446,10 +521,11 @@ static void *stream_main(void *arg)
 static struct stream *all_streams[4096];
 static int nstreams;
 
-static struct stream *stream_new(void)
+static struct stream *stream_new(int dev)
 {
 	struct stream *s = calloc(1, sizeof(*s));
 
+	s->dev = dev;
 	pthread_mutex_lock(&api_lock);
 	if (nstreams < 4096)
 		all_streams[nstreams++] = s;
@@ -467,7 +543,7 @@ static pthread_once_t legacy_once = PTHREAD_ONCE_INIT;
 
 static void legacy_make(void)
 {
-	legacy = stream_new();
+	legacy = stream_new(-1);
 }
 
 static struct stream *S(void *h)
@@ -477,6 +553,28 @@ static struct stream *S(void *h)
 		return legacy;
 	}
 	return h;
+}
+
+/*
+ * The device that work queued on @h runs on, or -1 when it may not be
+ * queued from this thread: a stream takes work while its own context is
+ * current (CUDA: CUDA_ERROR_INVALID_HANDLE otherwise); the legacy stream is
+ * the current context's.
+ */
+static int stream_dev(void *h)
+{
+	struct stream *s = S(h);
+	int cur = cur_dev();
+
+	if (s->dev < 0 || cur < 0)
+		return cur;
+	return s->dev == cur ? cur : -1;
+}
+
+/* Device memory [p, p + n) must be @dev's (see the top). */
+static int mem_on(int dev, uint64_t p, size_t n)
+{
+	return dev >= 0 && dev_range(p, n) == dev;
 }
 
 static void push(void *h, struct op *o)
@@ -523,7 +621,9 @@ CUresult cuStreamCreate(struct stream **s, unsigned f)
 	pthread_mutex_unlock(&mem_lock);
 	if (fail)
 		return 2;
-	*s = stream_new();
+	if (cur_dev() < 0)
+		return ENOCTX;
+	*s = stream_new(cur_dev());
 	return OK;
 }
 
@@ -555,7 +655,11 @@ CUresult cuStreamQuery(void *h)
 CUresult cuEventRecord(struct event *e, void *h)
 {
 	api_enter();
-	struct op *o = op_new(OP_EVREC);
+	struct op *o;
+
+	if (stream_dev(h) < 0 || stream_dev(h) != e->dev)
+		return 400;		/* an event of another device */
+	o = op_new(OP_EVREC);
 
 	pthread_mutex_lock(&e->lock);
 	o->seq = ++e->recorded;
@@ -568,7 +672,11 @@ CUresult cuEventRecord(struct event *e, void *h)
 CUresult cuStreamWaitEvent(void *h, struct event *e, unsigned f)
 {
 	api_enter();
-	struct op *o = op_new(OP_WAITEV);
+	struct op *o;
+
+	if (stream_dev(h) < 0)
+		return 400;
+	o = op_new(OP_WAITEV);
 
 	pthread_mutex_lock(&e->lock);
 	o->seq = e->recorded;
@@ -584,6 +692,8 @@ CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned 
 
 	if (getenv("FAKE_CUDA_NO_MEMOPS"))
 		return ENOTSUP;
+	if (stream_dev(h) < 0)
+		return 400;
 	o = op_new(OP_WAITVAL);
 	o->addr = (volatile uint32_t *)(uintptr_t)addr;
 	o->value = v;
@@ -594,7 +704,11 @@ CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned 
 CUresult cuLaunchHostFunc(void *h, CUhostFn fn, void *arg)
 {
 	api_enter();
-	struct op *o = op_new(OP_HOSTFN);
+	struct op *o;
+
+	if (stream_dev(h) < 0)
+		return 400;
+	o = op_new(OP_HOSTFN);
 
 	o->fn = fn;
 	o->arg = arg;
@@ -616,7 +730,7 @@ static CUresult copy(void *h, void *dst, const void *src, size_t n)
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
 {
 	api_enter();
-	if (!dev_range_ok(d, n))
+	if (!mem_on(stream_dev(h), d, n))
 		return EINVALID;
 	return copy(h, (void *)(uintptr_t)d, src, n);
 }
@@ -624,7 +738,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr s, size_t n, void *h)
 {
 	api_enter();
-	if (!dev_range_ok(s, n))
+	if (!mem_on(stream_dev(h), s, n))
 		return EINVALID;
 	return copy(h, dst, (const void *)(uintptr_t)s, n);
 }
@@ -636,12 +750,14 @@ CUresult fake_MemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *siz
 			       size_t *fail, void *h)
 {
 	size_t i;
+	int dev;
 
 	api_enter();
 	if ((uintptr_t)h <= 2 || !nattrs || !attrs)
 		return EINVALID;	/* as CUDA: no legacy stream */
+	dev = stream_dev(h);
 	for (i = 0; i < count; i++) {
-		if (!dev_range_ok(dsts[i], sizes[i]) && !dev_range_ok(srcs[i], sizes[i])) {
+		if (!mem_on(dev, dsts[i], sizes[i]) && !mem_on(dev, srcs[i], sizes[i])) {
 			*fail = i;
 			return EINVALID;
 		}
@@ -661,7 +777,7 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, void *h)
 {
 	struct op *o;
 
-	if (!dev_range_ok(d, n))
+	if (!mem_on(stream_dev(h), d, n))
 		return EINVALID;
 	o = op_new(OP_MEMSET);
 	o->dst = (void *)(uintptr_t)d;
@@ -721,15 +837,19 @@ CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, uint64_t flag
 	return 500;
 }
 
-/* ---- modules: only libphx's phx_copy kernel exists ---- */
+/* ---- modules: only libphx's phx_copy kernel exists, once per device ---- */
 
-static int the_module, the_function;
+static int the_module[MAX_DEV], the_function[MAX_DEV];
 
 CUresult cuModuleLoadData(void **m, const void *image)
 {
+	int dev = cur_dev();
+
+	if (dev < 0)
+		return ENOCTX;
 	if (!strstr((const char *)image, ".entry phx_copy"))
 		return EINVALID;
-	*m = &the_module;
+	*m = &the_module[dev];
 	return OK;
 }
 
@@ -739,7 +859,7 @@ CUresult cuModuleGetFunction(void **f, void *m, const char *name)
 {
 	if (strcmp(name, "phx_copy"))
 		return 500;
-	*f = &the_function;
+	*f = &the_function[(int *)m - the_module];
 	return OK;
 }
 
@@ -748,9 +868,10 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
 			void **extra)
 {
 	struct op *o;
+	int dev = stream_dev(h);
 
-	if (f != &the_function || !params)
-		return EINVALID;
+	if (dev < 0 || f != &the_function[dev] || !params)
+		return EINVALID;	/* another device's kernel, or none */
 	o = op_new(OP_KERNEL);
 	o->src = (const void *)(uintptr_t)*(uint64_t *)params[0];
 	push(h, o);
@@ -761,14 +882,75 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
 
 CUresult cuInit(unsigned f) { return OK; }
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
-CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
-CUresult cuDeviceGet(int *d, int o) { *d = o; return o == 0 ? OK : EINVALID; }
-static int the_ctx;
-CUresult cuDevicePrimaryCtxRetain(void **c, int d) { *c = &the_ctx; return OK; }
-CUresult cuDevicePrimaryCtxRelease_v2(int d) { return OK; }
-CUresult cuCtxSetCurrent(void *c) { return OK; }
-CUresult cuCtxPushCurrent_v2(void *c) { return OK; }
-CUresult cuCtxPopCurrent_v2(void **c) { if (c) *c = &the_ctx; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = ndevices(); return OK; }
+
+CUresult cuDeviceGet(int *d, int o)
+{
+	*d = o;
+	return o >= 0 && o < ndevices() ? OK : EINVALID;
+}
+
+/* FAKE_CUDA_NO_PCI_BUS_ID=1 makes it fail (a driver that cannot say). */
+CUresult cuDeviceGetPCIBusId(char *id, int len, int d)
+{
+	if (d < 0 || d >= ndevices() || len < 13 || getenv("FAKE_CUDA_NO_PCI_BUS_ID"))
+		return EINVALID;
+	snprintf(id, (size_t)len, "0000:%02X:00.0", 0x1b + 0x10 * d);
+	return OK;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **c, int d)
+{
+	if (d < 0 || d >= ndevices())
+		return EINVALID;
+	__atomic_add_fetch(&ctxs[d].retained, 1, __ATOMIC_RELAXED);
+	*c = &ctxs[d];
+	return OK;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(int d)
+{
+	if (d < 0 || d >= ndevices())
+		return EINVALID;
+	__atomic_sub_fetch(&ctxs[d].retained, 1, __ATOMIC_RELAXED);
+	return OK;
+}
+
+/* Test hook: references held on device @d's primary context. */
+int fake_ctx_retained(int d)
+{
+	return d >= 0 && d < MAX_DEV ? __atomic_load_n(&ctxs[d].retained, __ATOMIC_RELAXED) : -1;
+}
+
+/* Replaces the top of the thread's stack; NULL unbinds it. */
+CUresult cuCtxSetCurrent(void *c)
+{
+	if (c && ctx_depth)
+		ctx_stack[ctx_depth - 1] = c;
+	else if (c)
+		ctx_stack[ctx_depth++] = c;
+	else if (ctx_depth)
+		ctx_depth--;
+	return OK;
+}
+
+CUresult cuCtxPushCurrent_v2(void *c)
+{
+	if (!c || ctx_depth == CTX_DEPTH)
+		return EINVALID;
+	ctx_stack[ctx_depth++] = c;
+	return OK;
+}
+
+CUresult cuCtxPopCurrent_v2(void **c)
+{
+	if (!ctx_depth)
+		return ENOCTX;
+	ctx_depth--;
+	if (c)
+		*c = ctx_stack[ctx_depth];
+	return OK;
+}
 
 CUresult cuGetErrorString(CUresult r, const char **s)
 {
