@@ -15,26 +15,15 @@
 # batch 4, 8 generated tokens: a KV working set of 1.01 GiB (64 tensors of
 # (519, 128, 128) fp16), decode reads 7 x ~1 GiB; caps = 256 MiB + 0.2 ... 1.2 x
 # the working set; one worker per configuration (model loaded once, all caps).
-set -uo pipefail
-OUT=${OUT:-/tmp/phx-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-BUDGET=${FLEX_BUDGET_S:-400}	# seconds this script may take in all
-TESTDIR=/var/tmp/phxtest
+. "$(dirname "$0")/gpu_common.sh" || exit 1
 DATA=${FLEX_DIR:-/var/tmp/flexkv}
-mkdir -p $TESTDIR "$DATA"
-LOG=$OUT/run.log
-log() { echo "== $(date +%T) (+$(($(date +%s) - T0)) s) $*" | tee -a "$LOG"; }
-left() { echo $((BUDGET - ($(date +%s) - T0))); }
+gpu_begin --elapsed run.log "$DATA"
+BUDGET=${FLEX_BUDGET_S:-400}	# seconds this script may take in all
 
 setup() {
-	mkdir -p /tmp/uring /tmp/flexsite
-	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
-	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flexsite \
-		.whl-flex/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
-	export PHX_LIBURING_ROOT=/tmp/uring
-	export PYTHONPATH=/tmp/phx:/tmp/flexsite
+	unpack_liburing
+	install_wheels /tmp/flexsite .whl-flex/*.whl || return 1
+	use_phx_target /tmp/flexsite
 	python3 -c "import flexgen.flex_opt, torch; print('flexgen', flexgen.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -3 | tee -a "$LOG" || true
 	cat /sys/fs/cgroup/cgroup.controllers 2>&1 | sed 's/^/cgroup v2 controllers: /' | tee -a "$LOG" || true
 	return 0
@@ -42,10 +31,8 @@ setup() {
 
 build() {
 	log build
-	python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/phx \
-		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
-		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
-	python3 -c "import phx, phx.gpu; print(phx.__file__, phx.gpu.is_available())" 2>&1 | tee -a "$LOG"
+	build_phx "$PHX_TARGET" || return 1
+	show_phx
 }
 
 tests() {
@@ -57,7 +44,7 @@ tests() {
 
 flex() {
 	log flex sweep
-	local t=$(($(left) - ${FLEX_BENCH_S:-60}))	# what is left after it goes to phx bench kv
+	local t=$(($(time_left) - ${FLEX_BENCH_S:-60}))	# what is left after it goes to phx bench kv
 	[ $t -gt 90 ] || { log "no time left for the sweep"; return 1; }
 	timeout $((t + 30)) python3 adapters/flexllmgen/run_four.py --budget-s $((t - 10)) \
 		--model facebook/opt-6.7b --prompt 512 --batch ${FLEX_BATCH:-4} --gen ${FLEX_GEN:-8} \
@@ -68,7 +55,7 @@ flex() {
 }
 
 bench() {
-	local t=$(($(left) - 10))
+	local t=$(($(time_left) - 10))
 	[ $t -gt 60 ] || { log "no time left for phx bench kv ($t s)"; return 0; }
 	log "phx bench kv (gen 8, 3 caps, 1 repeat, $t s)"
 	timeout $t python3 -m phx bench kv --gen 8 --caps 0.4,0.8,1.2 --repeat 1 --no-progress \

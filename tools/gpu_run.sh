@@ -9,33 +9,21 @@
 # liburing-dev and liburing2 .debs: the box has no liburing headers) and
 # .devcarry/whl (kvikio-cu13, libkvikio-cu13, rapids-logger wheels: no network
 # there).  Everything runs as root on the box.
-set -uo pipefail
-OUT=${OUT:-/tmp/phx-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-TESTDIR=/var/tmp/phxtest
-BENCHDIR=/var/tmp/phxbench
-mkdir -p $TESTDIR $BENCHDIR
-LOG=$OUT/run.log	# at most 8 files come back from $OUT: one log for all steps
-log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+. "$(dirname "$0")/gpu_common.sh" || exit 1
+gpu_begin run.log "$BENCHDIR"	# at most 8 files come back from $OUT: one log for all steps
 
 setup() {
-	mkdir -p /tmp/uring
-	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
-	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-		.devcarry/whl/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
-	export PHX_LIBURING_ROOT=/tmp/uring
-	export PYTHONPATH=/tmp/phx:/tmp/site
+	unpack_liburing
+	install_wheels /tmp/site .devcarry/whl/*.whl || return 1
+	use_phx_target /tmp/site
 	export LD_LIBRARY_PATH=/tmp/site/libkvikio/lib64:/tmp/site/rapids_logger/lib64:${LD_LIBRARY_PATH:-}
 }
 
 build() {
 	log build
-	python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/phx \
-		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
-		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
-	python3 -c "import phx, phx.gpu; print(phx.__file__, phx.gpu.is_available())" 2>&1 | tee -a "$LOG"
-	nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv 2>&1 | tee -a "$LOG"
+	build_phx "$PHX_TARGET" || return 1
+	show_phx
+	show_gpus
 }
 
 tests() {

@@ -17,40 +17,31 @@
 # lmcache-deps.sh download .whl-lmcache 3.12`, 27 MiB) and .devcarry (deb/:
 # Debian's liburing-dev + liburing2 .debs for the build; whl/: KvikIO wheels,
 # used only where LMCache's cufile backend cannot start).
-set -uo pipefail
-OUT=${OUT:-/tmp/phx-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-TESTDIR=/var/tmp/phxtest
-BENCHDIR=/var/tmp/phxbench
-mkdir -p $TESTDIR $BENCHDIR
-LOG=$OUT/lmcache.log
-log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+. "$(dirname "$0")/gpu_common.sh" || exit 1
+gpu_begin lmcache.log "$BENCHDIR"
+BUDGET=570	# one device call may run 600 s: each bench step gets what is left of 570 s
 
 setup() {
 	log setup
-	mkdir -p /tmp/uring
-	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
-	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lmsite \
-		.whl-lmcache/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
+	unpack_liburing
+	install_wheels /tmp/lmsite .whl-lmcache/*.whl || return 1
 	if ls .devcarry/whl/*.whl >/dev/null 2>&1; then
-		python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvsite \
-			.devcarry/whl/*.whl >>"$LOG" 2>&1
+		# not needed by most runs: a failure here is logged, not fatal
+		install_wheels /tmp/kvsite .devcarry/whl/*.whl
 		export LD_LIBRARY_PATH=/tmp/kvsite/libkvikio/lib64:/tmp/kvsite/rapids_logger/lib64:${LD_LIBRARY_PATH:-}
 	fi
-	# lmcache on PYTHONPATH, the tests find it there (support.lmcache_site)
+	# lmcache on PYTHONPATH, the tests find it there (support.lmcache_site);
+	# phx itself is installed into the box's Python (build), not PHX_TARGET
 	export PYTHONPATH=/tmp/lmsite:/tmp/kvsite
 	export PHX_LMCACHE_SITE=/tmp/lmsite
 }
 
 build() {
 	log build: pip install . into $(python3 -c 'import sys; print(sys.prefix)')
-	python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
-		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
-		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
+	build_phx || return 1	# no TARGET on purpose: the .pth import hook must be live
 	# what LMCache loads, found with no environment (the hook from the .pth)
 	(cd /tmp && env -u LD_LIBRARY_PATH python3 -W ignore -m phx_lmcache) 2>&1 | tee -a "$LOG"
-	nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv 2>&1 | tee -a "$LOG"
+	show_gpus
 }
 
 tests() {
@@ -63,8 +54,8 @@ tests() {
 bench() {	# $1 name, then phx bench lmcache options
 	local name=$1
 	shift
-	# one device call may run 600 s: each step gets what is left of 570 s
-	local left=$((570 - SECONDS))
+	local left
+	left=$(time_left)
 	[ $left -gt 30 ] || { log "bench $name skipped: no time left"; return 0; }
 	log "bench $name ($left s left): $*"
 	timeout $left python3 -m phx bench lmcache --dir $BENCHDIR \

@@ -14,45 +14,32 @@
 # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 # -d .whl-loader fastsafetensors==0.5.0`; its one dependency, typer, and
 # safetensors 0.8 are already in the box's Python).  Runs as root there.
-set -uo pipefail
-OUT=${OUT:-/tmp/phx-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-TESTDIR=/var/tmp/phxtest
-BENCHDIR=/var/tmp/phxbench
-mkdir -p $TESTDIR $BENCHDIR
-LOG=$OUT/loader.log
+. "$(dirname "$0")/gpu_common.sh" || exit 1
+gpu_begin loader.log "$BENCHDIR"
 WHEELS=${WHEELS:-.whl-loader}	# (another folder only to try the script elsewhere)
 SIZE=${SIZE:-8G}
 REPEAT=${REPEAT:-1}
 BUDGET=${BUDGET:-560}	# seconds for all steps (one call may run 600)
-log() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-left() { echo $((BUDGET - SECONDS)); }
 
 setup() {
 	log setup
-	mkdir -p /tmp/uring
-	for d in .devcarry/deb/*.deb; do dpkg-deb -x "$d" /tmp/uring; done
-	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-		"$WHEELS"/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; return 1; }
-	export PHX_LIBURING_ROOT=/tmp/uring
-	export PYTHONPATH=/tmp/phx:/tmp/site
+	unpack_liburing
+	install_wheels /tmp/site "$WHEELS"/*.whl || return 1
+	use_phx_target /tmp/site
 }
 
 build() {
 	log build
-	python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/phx \
-		-C cmake.define.PHX_LIBURING_ROOT=/tmp/uring . >/tmp/build.log 2>&1 ||
-		{ tail -60 /tmp/build.log | tee -a "$LOG"; return 1; }
+	build_phx "$PHX_TARGET" || return 1
 	python3 -c "import phx, phx.gpu, phx.loader, phx_fastsafetensors, fastsafetensors, safetensors
 print(phx.__file__, phx.gpu.is_available(), 'fastsafetensors', fastsafetensors.__version__,
       'safetensors', safetensors.__version__)" 2>&1 | tee -a "$LOG"
-	nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv 2>&1 | tee -a "$LOG" || true
+	show_gpus || true
 }
 
 tests() {
 	local t
-	t=$(left)
+	t=$(time_left)
 	t=$((t > 300 ? 180 : t / 3))
 	log "tests ($t s)"
 	PHX_TEST_DIR=$TESTDIR timeout -s INT -k 20 $t python3 -m pytest -q -ra -p no:cacheprovider \
@@ -62,7 +49,7 @@ tests() {
 
 bench() {
 	local t
-	t=$(($(left) - 10))
+	t=$(($(time_left) - 10))
 	[ $t -gt 60 ] || { log "bench skipped: $t s left"; return 0; }
 	log "bench load ($t s left): size $SIZE, repeat $REPEAT, disk and zram"
 	free -g | tee -a "$LOG"
