@@ -70,6 +70,7 @@ CHILD = textwrap.dedent(r"""
             return ctypes.string_at(addr + off, out.nbytes)
 
     path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    ctx0 = loader.prepare(0).result() if mode == "prepared" else None
     shard = None
     if mode.startswith("tp"):
         ws, rank = 4, 3
@@ -90,6 +91,8 @@ CHILD = textwrap.dedent(r"""
     except loader.CheckpointError as e:
         res = {"__error__": (e.path, e.tensor, str(e)), **res}
     res["__stats__"] = phx.gpu.stats()
+    if ctx0 is not None:
+        res["__prepared_used__"] = phx.gpu.context(device=0) is ctx0
     pickle.dump(res, open(out, "wb"))
     print("child ok")
 """)
@@ -105,13 +108,17 @@ def _child(fake_cuda, tmp_path, path, mode, *extra):
     return pickle.load(open(out, "rb"))
 
 
-@pytest.mark.parametrize("mode", ["whole", "small"])
+@pytest.mark.parametrize("mode", ["whole", "small", "prepared"])
 def test_fake_gpu_every_tensor_matches_safetensors(fake_cuda, tmp_path, data_dir, rng, mode):
+    """Every tensor byte-exact; also after ``loader.prepare(0)``, whose context
+    the load then uses."""
     path = os.path.join(data_dir, "m.safetensors")
     st.save_file(random_state(rng, big=2 * MiB + 7), path)
     ref = st.load_file(path)
     got = _child(fake_cuda, tmp_path, path, mode)
     stats = got.pop("__stats__")
+    if mode == "prepared":
+        assert got.pop("__prepared_used__") is True, "the load made a context of its own"
     assert sorted(got) == sorted(ref)
     for k, r in ref.items():
         assert got[k] == raw(r), k

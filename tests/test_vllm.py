@@ -151,12 +151,21 @@ MODEL = r"""
                                      model_loader_extra_config={"group_bytes": 4096}))
     cfg = SimpleNamespace(model=path, revision=None, quantization=None)
     res = {}
+    # create_model: vLLM's construction (stubbed: it needs a whole VllmConfig),
+    # and phx's staging prepared meanwhile only for a CUDA device (none here:
+    # "cuda" on this CPU-only box must not fail the construction)
+    from vllm.model_executor.model_loader import base_loader
+    base_loader.BaseModelLoader.create_model = lambda self, vc, mc, prefix="": model
+    for dev in ("cpu", "cuda"):
+        vc = SimpleNamespace(device_config=SimpleNamespace(device=torch.device(dev)))
+        assert ld.create_model(vc, cfg) is model
+        res["prepared_" + dev] = ld._prepared is not None
     try:
         ld.download_model(cfg)
         ld.load_weights(model, cfg)
         out = {n: p.detach().contiguous().view(-1).view(torch.uint8).tolist()
                for n, p in model.named_parameters()}
-        res = {"params": out}
+        res.update(params=out)
     except Exception as e:
         res = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(res))
@@ -191,6 +200,8 @@ def test_load_weights_feeds_a_small_model(data_dir, rng):
     sd = _checkpoint(data_dir, rng)
     out = run_vllm(MODEL, data_dir)
     assert "params" in out, out
+    assert out["prepared_cpu"] is False
+    assert out["prepared_cuda"] is torch.cuda.is_available()
     got = out["params"]
     assert sorted(got) == sorted(sd)
     for name, t in sd.items():

@@ -49,6 +49,7 @@ class PhxModelLoader(BaseModelLoader):
             if k in extra and not isinstance(extra[k], typ):
                 raise ValueError(f"model_loader_extra_config[{k!r}] must be {typ.__name__}")
         self.extra = dict(extra)
+        self._prepared = None           # create_model()'s head start on the staging
 
     def _folder(self, model_config: ModelConfig) -> str:
         path = model_config.model
@@ -60,6 +61,18 @@ class PhxModelLoader(BaseModelLoader):
             ["*.safetensors", "*.safetensors.index.json"],
             revision=model_config.revision,
             ignore_patterns=self.load_config.ignore_patterns)
+
+    def create_model(self, vllm_config, model_config: ModelConfig, prefix: str = ""):
+        """vLLM's model construction, with phx's staging context made meanwhile
+        on another thread (:func:`phx.loader.prepare`), so its start-up is not
+        part of the load.  Best effort: a failure here is the load's to report."""
+        device = (self.extra.get("device") or self.load_config.device
+                  or vllm_config.device_config.device)
+        try:
+            self._prepared = phx_loader.prepare(device)
+        except Exception:  # noqa: BLE001 - only a head start; load_weights says why
+            self._prepared = None
+        return super().create_model(vllm_config, model_config, prefix)
 
     def download_model(self, model_config: ModelConfig) -> None:
         folder = self._folder(model_config)
