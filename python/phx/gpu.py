@@ -204,7 +204,13 @@ def context(engine=None, device: int = 0, **config):
     ``device``, created on first use.  ``config`` (lanes, bufs_per_lane,
     buf_size, max_io_size, memops, batch_copy, fixed_bufs) applies when it
     is created, over the environment and the tuned defaults; pass
-    ``_new=True`` to get a private one with these settings."""
+    ``_new=True`` to get a private one with these settings.
+
+    One process may feed several GPUs: each device has its own context
+    (lanes, staging bound to the device's NUMA node where the machine has
+    several: ``config["staging_node"]``, -1 when not bound), requests go to
+    the context of the device their buffer is on, and :func:`stats` with
+    ``device=N`` counts that device's bytes only (docs/multigpu.md)."""
     _require()
     if engine is None:
         import phx

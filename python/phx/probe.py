@@ -78,6 +78,23 @@ def _direct(path: str) -> dict[str, Any]:
     return out
 
 
+def _cuda_devices() -> list[dict[str, Any]]:
+    """Each CUDA device's NUMA node: where a context's staging is bound on a
+    machine of several nodes (-1: the firmware does not say; not bound)."""
+    try:
+        from phx._lib import cuda
+    except ImportError:
+        return []
+    out = []
+    for dev in range(64):
+        try:
+            node = cuda.device_numa_node(dev)
+        except OSError:
+            break
+        out.append({"device": dev, "numa_node": node})
+    return out
+
+
 def _cuda() -> dict[str, Any]:
     try:
         from phx import gpu
@@ -92,6 +109,7 @@ def _cuda() -> dict[str, Any]:
                 out["staging"] = tune.explain(0)
             except Exception as e:  # noqa: BLE001 - info must not fail on it
                 out["staging"] = {"error": str(e)}
+            out["devices"] = _cuda_devices()
         return out
     try:
         ctypes.CDLL("libcuda.so.1")

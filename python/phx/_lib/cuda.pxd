@@ -78,6 +78,8 @@ cdef extern from "phx_cuda.h" nogil:
     int phx_cuda_destroy(phx_cuda *cu)
     void phx_cuda_config_get(const phx_cuda *cu, phx_cuda_config *cfg)
     uint32_t phx_cuda_features(const phx_cuda *cu)
+    int phx_cuda_staging_node(const phx_cuda *cu)
+    int phx_cuda_device_numa_node(int device, int *node)
     int phx_cuda_file_register(phx_cuda *cu, phx_file *f)
     int phx_cuda_file_deregister(phx_cuda *cu, phx_file *f)
     void phx_cuda_io_prep(phx_cuda_io *io, phx_file *f, int op, uint64_t devptr,

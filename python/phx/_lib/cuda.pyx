@@ -52,6 +52,18 @@ def pointer_device(uint64_t ptr) -> int:
     return rc
 
 
+def device_numa_node(int device) -> int:
+    """NUMA node of CUDA ``device`` as sysfs reports it (-1: unknown);
+    OSError(ENODEV) when there is no such device."""
+    cdef int node = -1
+    cdef int rc
+    with nogil:
+        rc = phx_cuda_device_numa_node(device, &node)
+    if rc < 0:
+        raise _err(rc)
+    return node
+
+
 def default_config() -> dict:
     """The configuration a new context gets (defaults + PHX_CUDA_* variables)."""
     cdef phx_cuda_config cfg
@@ -308,7 +320,14 @@ cdef class Context:
         d["batch_copy"] = bool(feat & PHX_CUDA_FEAT_BATCH_COPY)
         d["fixed_bufs"] = bool(feat & PHX_CUDA_FEAT_FIXED_BUFS)
         d["pinned_bytes"] = self.stats()["pinned_bytes"]
+        d["staging_node"] = phx_cuda_staging_node(self.cu)
         return d
+
+    @property
+    def staging_node(self) -> int:
+        """NUMA node the staging memory is bound to (the device's, on a
+        machine of several nodes), or -1 when it is not bound."""
+        return phx_cuda_staging_node(self._get())
 
     def stats(self) -> dict:
         cdef phx_cuda_stats_s st
