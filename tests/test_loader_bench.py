@@ -33,6 +33,16 @@ def test_llama_shapes_scale_to_the_size():
         assert 0.7 * size < got < 1.3 * size, (size, got)
 
 
+def test_gpu_only_methods_are_dropped_for_the_cpu():
+    """st-cpu and phx-warm equal st and phx when the target is the CPU."""
+    ms = ",".join(bench.METHODS)
+    assert bench._methods(ms, "cuda") == list(bench.METHODS)
+    assert bench._methods(ms, "cpu") == [m for m in bench.METHODS
+                                         if m not in ("st-cpu", "phx-warm")]
+    with pytest.raises(SystemExit, match="unknown methods"):
+        bench._methods("phx,nope", "cuda")
+
+
 def test_compare():
     ref = {"a": "1", "b": "2", "c": "3"}
     assert bench.compare(ref, dict(ref)) == "ok"

@@ -9,6 +9,9 @@ every dimension down, a larger one adds layers, to about that many bytes.  Metho
 are its own), page cache dropped before every row:
 
 * ``phx``          ``phx.loader.load_file(index, device)``
+* ``phx-warm``     the same with phx.gpu's staging context made before the clock
+                   starts (``phx.loader.prepare``, as the vLLM loader does while
+                   vLLM builds the model; GPU only)
 * ``st``           ``safetensors.torch.load_file(shard, device=device)`` per shard
                    (on the CPU its tensors map the file: every method's rows to
                    the CPU include touching each page once)
@@ -48,7 +51,7 @@ from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size
                                progress, reset_peak_rss, storage_description, write_json)
 
 MiB, GiB = 1 << 20, 1 << 30
-METHODS = ("phx", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
+METHODS = ("phx", "phx-warm", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
 LLAMA3_8B = {"vocab": 128256, "hidden": 4096, "inter": 14336, "layers": 32, "kv": 1024}
 
 
@@ -233,7 +236,7 @@ def _raw(d: str, threads: int) -> tuple[float, int]:
 
 def _load(method: str, d: str, device: str) -> dict[str, Any]:
     """Run ``method``; returns the tensors (and what keeps them alive)."""
-    if method == "phx":
+    if method in ("phx", "phx-warm"):
         from phx import loader
         return {"tensors": loader.load_file(os.path.join(d, "model.safetensors.index.json"),
                                             device)}
@@ -283,9 +286,11 @@ def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
     import safetensors.torch  # noqa: F401   (imports are not timed)
     if method.startswith("fst"):
         import fastsafetensors  # noqa: F401
-    if method == "phx" or method == "fst-phx":
+    if method in ("phx", "phx-warm", "fst-phx"):
         import phx.gpu  # noqa: F401
-        import phx.loader  # noqa: F401
+        import phx.loader
+        if method == "phx-warm":          # the staging made before the clock starts
+            phx.loader.prepare(device).result()
     base = reset_peak_rss()
     cpu0, _ = _usage()
     t0 = time.perf_counter()
@@ -355,8 +360,9 @@ def _methods(spec: str, device: str) -> list[str]:
     bad = [m for m in ms if m not in METHODS]
     if bad:
         raise SystemExit(f"phx bench load: unknown methods {bad} (known: {', '.join(METHODS)})")
-    if device == "cpu" and "st-cpu" in ms:
-        ms.remove("st-cpu")          # identical to st on the CPU
+    for m in ("st-cpu", "phx-warm"):
+        if device == "cpu" and m in ms:
+            ms.remove(m)             # identical to st / phx on the CPU
     return ms
 
 
@@ -429,14 +435,17 @@ def _print(rows, device) -> None:
         by = {r["method"]: r for r in rows if r["where"] == where and "gbps" in r}
         if "phx" not in by:
             continue
-        line = [f"{where}: phx"]
         raws = [r for m, r in by.items() if m.startswith("raw")]
-        if raws:
-            line.append(f"{by['phx']['gbps'] / max(r['gbps'] for r in raws):.2f}x raw")
-        for m in ("fst-nogds", "st", "st-cpu"):
-            if m in by:
-                line.append(f"{by['phx']['gbps'] / by[m]['gbps']:.2f}x {m}")
-        print(", ".join(line) + f" (to {device})")
+        for ours in ("phx", "phx-warm"):
+            if ours not in by:
+                continue
+            line = [f"{where}: {ours}"]
+            if raws:
+                line.append(f"{by[ours]['gbps'] / max(r['gbps'] for r in raws):.2f}x raw")
+            for m in ("fst-nogds", "st", "st-cpu"):
+                if m in by:
+                    line.append(f"{by[ours]['gbps'] / by[m]['gbps']:.2f}x {m}")
+            print(", ".join(line) + f" (to {device})")
 
 
 def run(args) -> int:
