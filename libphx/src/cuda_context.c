@@ -481,7 +481,7 @@ static int device_node(const struct cu_driver *d, CUdevice dev, int *node)
 }
 
 /* Bind the (not yet faulted) staging region to the GPU's node: 0 or -errno. */
-static int staging_bind(phx_cuda *c)
+static int staging_bind_try(phx_cuda *c)
 {
 	unsigned long mask[NODE_BITS / (8 * sizeof(unsigned long))] = { 0 };
 	char list[256];
@@ -507,6 +507,15 @@ static int staging_bind(phx_cuda *c)
 	return 0;
 }
 
+/* The sysfs reads and mbind fail routinely (no file, one node): keep errno. */
+static int staging_bind(phx_cuda *c)
+{
+	int saved = errno, ret = staging_bind_try(c);
+
+	errno = saved;
+	return ret;
+}
+
 CU_EXPORT int phx_cuda_staging_node(const phx_cuda *c)
 {
 	return c->stage_node;
@@ -515,6 +524,7 @@ CU_EXPORT int phx_cuda_staging_node(const phx_cuda *c)
 CU_EXPORT int phx_cuda_device_numa_node(int device, int *node)
 {
 	const struct cu_driver *d = cu_driver();
+	int saved = errno;
 	CUdevice dev;
 	CUresult r;
 
@@ -530,6 +540,7 @@ CU_EXPORT int phx_cuda_device_numa_node(int device, int *node)
 	if (r != CUDA_SUCCESS)
 		return cu_fail(d, r, "cuDeviceGet");
 	device_node(d, dev, node);	/* unknown is an answer: -1 */
+	errno = saved;
 	return 0;
 }
 
