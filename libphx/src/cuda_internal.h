@@ -400,5 +400,7 @@ void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
 /* Staging placement helpers, exposed for tests/gpu_fake/cuda_fake_test.c. */
 int cu_pci_sysfs_name(const char *bus_id, char *out, size_t len);
 int cu_node_list_count(const char *list);
+/* Bind c->stage to the GPU's NUMA node before it is faulted in: 0 or -errno (cuda_numa.c). */
+int cu_staging_bind(phx_cuda *c);
 
 #endif /* PHX_CUDA_INTERNAL_H */
