@@ -28,8 +28,8 @@
  * that node before the lanes fault it in (a policy only steers pages not
  * yet faulted).  MPOL_PREFERRED, not MPOL_BIND: a full node then costs
  * bandwidth, never the context.  All of it is best effort: no
- * cuDeviceGetPCIBusId, no sysfs file, firmware that does not say (-1: the
- * single-node H200 box says so), one node only, or a refused mbind leave
+ * cuDeviceGetPCIBusId, no sysfs file, firmware that does not say (-1),
+ * one node only, or a refused mbind leave
  * the staging where the kernel puts it; phx_cuda_staging_node() says -1 and
  * PHX_CUDA_TRACE=1 prints why.  libnuma is not needed for one syscall.
  */
