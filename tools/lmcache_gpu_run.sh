@@ -10,6 +10,7 @@
 #   tools/lmcache_gpu_run.sh replay    build, full replay on zram, short on disk (~5 min)
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
 #                                      bench-mid bench-full replay-mid replay-full replay-disk
+#                                      replay-seed (the seed's token counts, ~6 min)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -81,6 +82,11 @@ step() {
 		--token-scale 0.125 --concurrency 1,2,4,8,16 ;;
 	replay-disk) bench replay-disk --mode replay --sessions 2 --rounds 10 --token-scale 0.0625 \
 		--concurrency 1,2,4,8 ;;
+	# the seed's scale (contexts ~85K tokens by round 30, 99K at most; 93 % prefix
+	# hits): 2 sessions = 22 GB of KV, ~330 GB of prefix loads per method; estimated
+	# ~6 min with build, not yet run
+	replay-seed) bench replay-seed --mode replay --no-disk --zram 28G --sessions 2 --rounds 30 \
+		--token-scale 1.0 ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
