@@ -25,6 +25,13 @@ follows another's writes), ``--repeat`` times (median and spread reported):
 Writes end with an fsync for every method.  CPU cost: user + system seconds
 of the process and its children (getrusage) per GB moved.  Without a GPU the
 command says so and exits 0.
+
+Several GPUs (``--devices 0,1`` or ``all``): every row runs on all of them at
+once from this one process, a thread per device, each device with its own
+files and its own buffer (phx: one engine, a staging context per device);
+GB/s is the aggregate (bytes moved on all devices / the time from the common
+start until the last device is done), the raw rows read the same N files at
+once with their threads each: what the storage gives to N readers.
 """
 from __future__ import annotations
 
@@ -52,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$PHX_BENCH_DIR or the current directory")
     p.add_argument("--zram", metavar="SIZE", default=None,
                    help="also build a zram block device of SIZE with ext4 (root) and "
-                        "run there: the RAM-speed rows where software decides")
+                        "run there: the RAM-speed rows where software decides (it holds "
+                        "two files of --size per device)")
     p.add_argument("--size", default="4G", help="file size (default 4G)")
     p.add_argument("--chunk-sizes", default="64K,256K,2M,16M", help="chunk pattern sizes")
     p.add_argument("--chunk-bytes", default="1G", help="bytes moved per chunks row (default 1G)")
@@ -67,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buf-size", default=None, help="phx staging buffer size")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    p.add_argument("--devices", default="0",
+                   help="CUDA devices fed at once: a comma list or 'all' (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -294,15 +304,16 @@ def kvikio_io(path: str, pat: Pattern, gpu, threads: int, write: bool) -> float:
 _ENGINES: dict[tuple, Any] = {}
 
 
-def _phx_engine(ctx_cfg: dict):
-    """One engine (and so one staging context) per configuration."""
+def _phx_engine(ctx_cfg: dict, devices: tuple[int, ...] = (0,)):
+    """One engine per configuration, with a staging context of that
+    configuration on each of ``devices`` (made before any row is timed)."""
     import phx
     import phx.gpu
     key = tuple(sorted(ctx_cfg.items()))
     if key not in _ENGINES:
-        eng = phx.Engine()
-        phx.gpu.context(eng, 0, **ctx_cfg)
-        _ENGINES[key] = eng
+        _ENGINES[key] = phx.Engine()
+    for d in devices:
+        phx.gpu.context(_ENGINES[key], d, **ctx_cfg)
     return _ENGINES[key]
 
 
@@ -343,6 +354,64 @@ def _verify(path: str, gpu, pat: Pattern, what: str) -> None:
             got = gpu[b:b + n].cpu().numpy()
             if not np.array_equal(got, want):
                 raise RuntimeError(f"{what}: wrong bytes at file offset {int(pat.foffs[i]) + k}")
+
+
+def parse_devices(spec: str, count: int) -> list[int]:
+    """``--devices``: "all", or a comma list of distinct ordinals below ``count``."""
+    if spec.strip() == "all":
+        if count < 1:
+            raise ValueError("no CUDA device")
+        return list(range(count))
+    try:
+        devs = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--devices {spec!r}: a comma list of device numbers, or all") from None
+    bad = [d for d in devs if not 0 <= d < count]
+    if not devs or bad or len(set(devs)) != len(devs):
+        raise ValueError(f"--devices {spec!r}: want distinct devices among 0..{count - 1}")
+    return devs
+
+
+def fan_out(fn: Callable, args: list[tuple], bind: Callable[[int], None] | None = None) -> float:
+    """Run ``fn(*args[i])`` for every i at once, a thread each (``bind(i)``
+    first, in that thread: the CUDA device), all released together; seconds
+    from that release until the last is done.  One item runs on this thread.
+    The first error is raised once every thread has ended."""
+    if len(args) == 1:
+        if bind:
+            bind(0)
+        t0 = time.perf_counter()
+        fn(*args[0])
+        return time.perf_counter() - t0
+    gate = threading.Barrier(len(args) + 1)
+    bind_errs: list[BaseException] = []
+    errs: list[BaseException] = []
+    ends = [0.0] * len(args)
+
+    def one(i):
+        try:
+            if bind:
+                bind(i)
+        except BaseException as e:  # noqa: BLE001
+            bind_errs.append(e)
+        gate.wait()          # every binding is done (or failed) past this point
+        try:
+            if not bind_errs:
+                fn(*args[i])
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+        ends[i] = time.perf_counter()
+
+    th = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(args))]
+    for t in th:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in th:
+        t.join()
+    if bind_errs or errs:
+        raise (bind_errs or errs)[0]
+    return max(ends) - t0
 
 
 # ---------------------------------------------------------------------------
@@ -423,13 +492,26 @@ def run(args) -> int:
     chunk_bytes = min(parse_size(args.chunk_bytes), size)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     dirs = [(d, "disk") for d in (args.dir or [os.environ.get("PHX_BENCH_DIR", ".")])]
+    try:
+        devices = parse_devices(args.devices, torch.cuda.device_count())
+    except ValueError as e:
+        print(f"phx bench gpu: {e}", file=sys.stderr)
+        return 2
     zram = None
     if args.zram:
         zram = _zram_up(args.zram)
         dirs.append((zram[0], "zram"))
-    gpu = torch.empty(size, dtype=torch.uint8, device="cuda")
-    gpu.random_(0, 256)
-    torch.cuda.synchronize()
+    gpus = []
+    for d in devices:
+        g = torch.empty(size, dtype=torch.uint8, device=f"cuda:{d}")
+        g.random_(0, 256)
+        gpus.append(g)
+    for d in devices:
+        torch.cuda.synchronize(d)
+    _phx_engine(_ctx_cfg(args), tuple(devices))
+
+    def bind(i):
+        torch.cuda.set_device(devices[i])
 
     # the rows of one directory: (pattern, op, method, config, fn)
     plan = []
@@ -445,11 +527,15 @@ def run(args) -> int:
     try:
         bar = progress(len(plan) * len(dirs) * args.repeat, "bench gpu", not args.quiet)
         for d, label in dirs:
-            path = os.path.join(d, "phx-bench-gpu.bin")
-            wpath = os.path.join(d, "phx-bench-gpu-w.bin")
-            _make_file(path, size, seed=1)
-            _make_file(wpath, size, seed=2)
-            fs = _fs_of(path)
+            # a file to read and one to write per device ("" for the first: the
+            # names one device has always had)
+            tags = [""] + [f"-{k}" for k in range(1, len(devices))]
+            paths = [os.path.join(d, f"phx-bench-gpu{t}.bin") for t in tags]
+            wpaths = [os.path.join(d, f"phx-bench-gpu-w{t}.bin") for t in tags]
+            for k, (p, w) in enumerate(zip(paths, wpaths)):
+                _make_file(p, size, seed=1 + 2 * k)
+                _make_file(w, size, seed=2 + 2 * k)
+            fs = _fs_of(paths[0])
             runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(plan))}
             import numpy as np
             for rep in range(args.repeat):
@@ -458,30 +544,30 @@ def run(args) -> int:
                 order = np.random.default_rng(rep).permutation(len(plan))
                 for i in order.tolist():
                     pat, op, name, cfg, fn = plan[i]
-                    target = wpath if op == "write" else path
+                    targets = wpaths if op == "write" else paths
                     drop_caches()
                     c0 = _cpu_seconds()
-                    dt = fn(target, pat, gpu)
+                    dt = fan_out(fn, [(t, pat, g) for t, g in zip(targets, gpus)], bind)
                     cpu = _cpu_seconds() - c0
-                    moved = pat.total if not (name == "naive" and pat.name != "seq") \
-                        else pat.head(NAIVE_CAP).total
+                    moved = len(devices) * (
+                        pat.total if not (name == "naive" and pat.name != "seq")
+                        else pat.head(NAIVE_CAP).total)
                     runs[i].append((moved / dt / 1e9, cpu / (moved / 1e9)))
                     if rep == 0 and name == "phx":
-                        if op == "read":
-                            _verify(path, gpu, pat, f"phx {pat.name} read")
-                        else:
-                            _verify(wpath, gpu, pat, f"phx {pat.name} write")
+                        for t, g in zip(targets, gpus):
+                            _verify(t, g, pat, f"phx {pat.name} {op} on {g.device}")
                     bar.update(1)
             for i, (pat, op, name, cfg, _) in enumerate(plan):
                 gb = [r[0] for r in runs[i]]
                 med, spread = median_spread(gb)
                 cpu_med, _ = median_spread([r[1] for r in runs[i]])
-                results.append({"device": label, "fs": fs, "pattern": pat.name,
+                results.append({"device": label, "fs": fs, "gpus": devices,
+                                "pattern": pat.name,
                                 "chunk": pat.piece if pat.name != "seq" else None,
                                 "op": op, "method": name, "config": cfg, "runs_gbps": gb,
                                 "median_gbps": med, "spread": spread,
                                 "cpu_s_per_gb": cpu_med})
-            for p in (path, wpath):
+            for p in paths + wpaths:
                 os.unlink(p)
         bar.close()
     finally:
@@ -489,10 +575,20 @@ def run(args) -> int:
             _zram_down(*zram)
     ctx_info = {}
     try:
-        ctx_info = phx.gpu.context(_phx_engine(_ctx_cfg(args)), 0).config
+        eng = _phx_engine(_ctx_cfg(args), tuple(devices))
+        ctx_info = phx.gpu.context(eng, devices[0]).config
+        if len(devices) > 1:
+            ctx_info = {"devices": devices, "per_device": {
+                d: phx.gpu.context(eng, d).config for d in devices}}
     except Exception:  # noqa: BLE001
         pass
-    _report(results, size, args, ctx_info)
+    try:
+        st = phx.gpu.stats()
+        if len(devices) > 1:          # and each device's own share
+            st = {"all": st, **{f"cuda:{d}": phx.gpu.stats(device=d) for d in devices}}
+    except Exception:  # noqa: BLE001
+        st = {}
+    _report(results, size, args, ctx_info, st, len(devices))
     return 0
 
 
@@ -510,7 +606,8 @@ GOALS = {
 }
 
 
-def _report(results: list[dict], size: int, args, ctx_info: dict) -> None:
+def _report(results: list[dict], size: int, args, ctx_info: dict, st: dict,
+            ngpus: int = 1) -> None:
     table = []
     for r in results:
         ph = _best(results, r["device"], r["pattern"], r["op"], "phx")
@@ -520,6 +617,8 @@ def _report(results: list[dict], size: int, args, ctx_info: dict) -> None:
                       f"{r['spread']:.0%}", r["cpu_s_per_gb"], ratio))
     print(f"\nphx bench gpu: {size / GiB:.1f} GiB files, {args.repeat} repeats, page cache "
           f"dropped before each row (GB/s medians; CPU s/GB = process user+sys per GB)")
+    if ngpus > 1:
+        print(f"{ngpus} GPUs fed at once, a file each: GB/s are aggregates")
     if ctx_info:
         print("phx staging: " + ", ".join(f"{k}={v}" for k, v in ctx_info.items()))
     print(fmt_table(["device", "pattern", "op", "method", "config", "GB/s", "spread",
@@ -542,21 +641,13 @@ def _report(results: list[dict], size: int, args, ctx_info: dict) -> None:
         cpu = f", CPU/GB {g['cpu_ratio']:.2f}x" if g["cpu_ratio"] is not None else ""
         print(f"goal {g['device']:>4} {g['pattern']:<12} {g['op']:<5}: phx / best {g['vs']:<11} "
               f"= {g['ratio']:.2f} (>= {g['goal']}) {'met' if g['met'] else 'NOT met'}{cpu}")
-    try:
-        st = phx_stats()
-    except Exception:  # noqa: BLE001
-        st = {}
     write_json(args.json, {"benchmark": "gpu", "size": size, "repeat": args.repeat,
+                           "gpus": ngpus,
                            "patterns": args.pattern, "order": "shuffled per repeat",
                            "staging": ctx_info, "rows": results,
                            "goals": goals, "phx_gpu_stats": st})
     if args.plot:
         _plot(results, args.plot)
-
-
-def phx_stats() -> dict:
-    import phx.gpu
-    return phx.gpu.stats()
 
 
 def _plot(results: list[dict], path: str) -> None:

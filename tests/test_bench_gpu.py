@@ -1,0 +1,75 @@
+"""``phx bench gpu``'s parts that need no GPU: which devices ``--devices``
+names, and the fan-out that runs a row on every device at once (its time is
+from the common start to the last one done; each device gets its own
+arguments and its own binding; errors come out).  The rows themselves run on
+a GPU box only (tools/gpu_run.sh)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from phx.bench import gpu as bench
+
+
+def test_parse_devices():
+    assert bench.parse_devices("0", 1) == [0]
+    assert bench.parse_devices("all", 4) == [0, 1, 2, 3]
+    assert bench.parse_devices("2,0", 3) == [2, 0]
+    for bad, count in (("3", 2), ("0,0", 2), ("x", 2), ("", 2), ("-1", 2), ("all", 0)):
+        with pytest.raises(ValueError):
+            bench.parse_devices(bad, count)
+
+
+def test_fan_out_runs_every_item_at_once_and_times_the_slowest():
+    seen: dict[int, tuple] = {}
+    bound: dict[int, int] = {}
+    inside = []
+    lock = threading.Lock()
+    most = [0]
+
+    def fn(path, pat, gpu):
+        with lock:
+            inside.append(1)
+            most[0] = max(most[0], len(inside))
+        time.sleep(0.05 * (gpu + 1))
+        with lock:
+            inside.pop()
+            seen[gpu] = (path, pat, threading.get_ident())
+
+    def bind(i):
+        bound[threading.get_ident()] = i
+
+    args = [(f"f{i}", "pat", i) for i in range(4)]
+    dt = bench.fan_out(fn, args, bind)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(seen[i][0] == f"f{i}" for i in range(4))
+    # each item ran on a thread bound to its own index
+    assert all(bound[seen[i][2]] == i for i in range(4))
+    assert most[0] == 4, "the items did not run at once"
+    assert 0.2 <= dt < 0.6, dt          # the slowest (0.2 s), not the sum (0.5 s)
+
+
+def test_fan_out_single_item_runs_here_and_errors_come_out():
+    here = threading.get_ident()
+    got = []
+    dt = bench.fan_out(lambda a: got.append((a, threading.get_ident())), [("x",)])
+    assert got == [("x", here)] and dt >= 0
+
+    done = []
+
+    def fn(i):
+        if i == 1:
+            raise OSError(5, "boom")
+        time.sleep(0.05)
+        done.append(i)
+
+    with pytest.raises(OSError, match="boom"):
+        bench.fan_out(fn, [(0,), (1,), (2,)])
+    assert sorted(done) == [0, 2], "the other items were not waited for"
+
+    with pytest.raises(RuntimeError, match="no such device"):
+        bench.fan_out(lambda i: done.append(i), [(7,), (8,)],
+                      bind=lambda i: (_ for _ in ()).throw(RuntimeError("no such device")))
+    assert 7 not in done and 8 not in done, "items ran after their binding failed"
