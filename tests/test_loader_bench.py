@@ -77,6 +77,37 @@ def test_bench_load_cpu_all_methods_disk_and_zram(data_dir):
     assert "phx" in r.stdout and "x raw" in r.stdout
 
 
+def test_bench_load_tensor_parallel_ranks_get_their_slices(data_dir):
+    """--tp 2: two ranks in one process; phx reads only each rank's slices,
+    safetensors whole tensors then narrows; every rank's slices match the
+    checkpoint's (digests from the files), the sliced bytes once in all."""
+    out = os.path.join(data_dir, "tp.json")
+    r = _bench(["--size", "24m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
+                "--tp", "2", "--json", out])
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.load(open(out))
+    assert doc["tp"] == 2
+    rows = {x["method"]: x for x in doc["rows"]}
+    assert sorted(rows) == ["phx", "raw (16t)", "st"], rows        # TP methods only
+    for m in ("phx", "st"):
+        assert rows[m]["check"] == "ok", rows[m]
+    # two ranks of every tensor: the sliced ones once in all, the norms twice
+    shapes = dict(bench.llama_shapes(bench.parse_size("24m")))
+    norms = sum(2 * math.prod(s) for n, s in shapes.items() if n.endswith("norm.weight"))
+    assert rows["phx"]["bytes"] == sum(2 * math.prod(s) for s in shapes.values()) + norms
+    ref = bench.tp_reference(os.path.join(data_dir, "phx-bench-load"), 2)
+    assert len(ref) == 2 * len(shapes)
+
+
+def test_bench_load_tp_must_divide_the_sliced_dims(data_dir):
+    shapes = bench.llama_shapes(bench.parse_size("8m"))
+    tp = next(n for n in (3, 5, 7, 11, 13)
+              if any(s[0] % n for name, s in shapes if name.endswith("q_proj.weight")))
+    r = _bench(["--size", "8m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
+                "--tp", str(tp)])
+    assert r.returncode != 0 and f"--tp {tp} does not divide" in r.stderr, r.stderr
+
+
 def test_bench_load_catches_a_flipped_byte(data_dir):
     r = _bench(["--size", "8m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
                 "--methods", "st"])

@@ -21,6 +21,15 @@ are its own), page cache dropped before every row:
 * ``raw``          O_DIRECT ``preadv`` of the same files into host memory,
                    ``--raw-threads`` threads, 16 MiB requests: what the device gives
 
+Tensor parallelism (``--tp N``): N ranks in the one process, a thread each,
+rank r's tensors on ``cuda:(r mod GPUs)``; column-parallel linears, the
+embedding and lm_head are sliced along dim 0, o/down_proj along dim 1, the
+norms are whole (:data:`LLAMA_TP`).  ``phx``: each rank's ``load_file(...,
+shard=tp_sharder(r, N, LLAMA_TP))`` reads only its slices; ``st``: each rank
+loads whole tensors and keeps its slice, as vLLM's default loader does;
+``raw``: the files once.  Every rank's slices are checked against the
+checkpoint's.  Other methods are not run with ``--tp``.
+
 Reported: seconds until every tensor is on the device, GB/s, CPU seconds
 (user + system of the process, getrusage), peak RSS and its growth over the
 process's state just before loading (after imports and CUDA start-up), and
@@ -53,6 +62,10 @@ from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size
 MiB, GiB = 1 << 20, 1 << 30
 METHODS = ("phx", "phx-warm", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
 LLAMA3_8B = {"vocab": 128256, "hidden": 4096, "inter": 14336, "layers": 32, "kv": 1024}
+#: Megatron-style tensor parallelism of a Llama checkpoint: name regex -> dim
+LLAMA_TP = {r"(q|k|v|gate|up)_proj\.weight$": 0, r"(o|down)_proj\.weight$": 1,
+            r"(embed_tokens|lm_head)\.weight$": 0}
+TP_METHODS = ("phx", "st", "raw")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,12 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="repeats per row (default 2)")
     p.add_argument("--raw-threads", default="16", help="thread counts for raw (best is shown)")
     p.add_argument("--keep", action="store_true", help="reuse a checkpoint already in --dir")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks in one process (default 1; with N > 1 only "
+                        + ",".join(TP_METHODS) + " run)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per method run")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-threads", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--worker-tp", type=int, default=1, help=argparse.SUPPRESS)
 
 
 # ---------------------------------------------------------------------------
@@ -234,6 +251,76 @@ def _raw(d: str, threads: int) -> tuple[float, int]:
     return dt, sum(done)
 
 
+def _rank_devices(device: str, tp: int) -> list[str]:
+    """Rank r's device: ``cuda:(r mod GPUs)`` for a CUDA device, else ``device``."""
+    if not device.startswith("cuda"):
+        return [device] * tp
+    import torch
+    n = max(1, torch.cuda.device_count())
+    return [f"cuda:{r % n}" for r in range(tp)]
+
+
+def _narrow(t, name: str, rank: int, tp: int):
+    """Rank ``rank``'s slice of tensor ``name`` under :data:`LLAMA_TP` (a copy)."""
+    import re
+    for rx, dim in LLAMA_TP.items():
+        if re.search(rx, name):
+            k = t.shape[dim] // tp
+            return t.narrow(dim, rank * k, k).contiguous()
+    return t
+
+
+def _load_tp(method: str, d: str, device: str, tp: int) -> dict[str, Any]:
+    """``tp`` ranks at once, a thread each; tensors keyed ``"rank:name"``."""
+    from phx import loader
+    devs = _rank_devices(device, tp)
+    index = os.path.join(d, "model.safetensors.index.json")
+
+    def rank(r):
+        if devs[r].startswith("cuda"):
+            import torch
+            torch.cuda.set_device(devs[r])
+        if method == "phx":
+            sd = loader.load_file(index, devs[r], shard=loader.tp_sharder(r, tp, LLAMA_TP))
+        else:
+            from safetensors.torch import load_file
+            sd = {}
+            for p in _shards(d):
+                sd.update({k: _narrow(v, k, r, tp)
+                           for k, v in load_file(p, device=devs[r]).items()})
+        return {f"{r}:{k}": v for k, v in sd.items()}
+    out: dict[str, Any] = {}
+    with concurrent.futures.ThreadPoolExecutor(tp) as ex:
+        for part in ex.map(rank, range(tp)):
+            out.update(part)
+    return {"tensors": out}
+
+
+def _check_tp(d: str, tp: int) -> None:
+    """Every sliced dimension of the checkpoint divides by ``tp`` (SystemExit if not)."""
+    import re
+    from phx.loader import open_checkpoint
+    for name, t in open_checkpoint(os.path.join(d, "model.safetensors.index.json")).tensors.items():
+        for rx, dim in LLAMA_TP.items():
+            if re.search(rx, name):
+                if t.shape[dim] % tp:
+                    raise SystemExit(f"phx bench load: --tp {tp} does not divide {name}'s "
+                                     f"dim {dim} ({t.shape[dim]})")
+                break
+
+
+def tp_reference(d: str, tp: int) -> dict[str, str]:
+    """Digests of every rank's slices, ``"rank:name"``, from the files (safetensors)."""
+    import torch
+    from safetensors.torch import load_file
+    refs: dict[str, str] = {}
+    for p in _shards(d):
+        for k, v in load_file(p).items():
+            for r in range(tp):
+                refs[f"{r}:{k}"] = digest(_narrow(v, k, r, tp).view(-1).view(torch.uint8).numpy())
+    return refs
+
+
 def _load(method: str, d: str, device: str) -> dict[str, Any]:
     """Run ``method``; returns the tensors (and what keeps them alive)."""
     if method in ("phx", "phx-warm"):
@@ -270,7 +357,7 @@ def _usage() -> tuple[float, int]:
     return ru.ru_utime + ru.ru_stime, peak_rss()
 
 
-def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
+def worker(method: str, d: str, device: str, threads: int, tp: int = 1) -> dict[str, Any]:
     """One measured run in this (fresh) process."""
     if method == "raw":
         cpu0, _ = _usage()
@@ -294,9 +381,10 @@ def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
     base = reset_peak_rss()
     cpu0, _ = _usage()
     t0 = time.perf_counter()
-    res = _load(method, d, device)
+    res = _load(method, d, device) if tp == 1 else _load_tp(method, d, device, tp)
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        for dev in sorted(set(_rank_devices(device, tp))):
+            torch.cuda.synchronize(dev)
     else:
         # safetensors' CPU tensors are a copy-on-write mmap of the file: read
         # lazily.  Touch one byte of every page, for every method alike, so
@@ -320,14 +408,17 @@ def worker(method: str, d: str, device: str, threads: int) -> dict[str, Any]:
 
 
 def run_worker(args) -> int:
-    out = worker(args.worker, args.worker_path, args.device, args.worker_threads)
+    out = worker(args.worker, args.worker_path, args.device, args.worker_threads,
+                 args.worker_tp)
     sys.stdout.write("\nPHX-BENCH-RESULT " + json.dumps(out) + "\n")
     return 0
 
 
-def _spawn(method: str, d: str, device: str, threads: int, timeout: float) -> dict[str, Any]:
+def _spawn(method: str, d: str, device: str, threads: int, timeout: float,
+           tp: int = 1) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "phx", "bench", "load", "--worker", method,
-           "--worker-path", d, "--device", device, "--worker-threads", str(threads)]
+           "--worker-path", d, "--device", device, "--worker-threads", str(threads),
+           "--worker-tp", str(tp)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -385,7 +476,7 @@ def _rows_for(where: str, d: str, methods, device, args, ref, bar) -> list[dict[
         random.shuffle(order)          # no method always follows another
         for m, t in order:
             warm = not drop_caches()
-            r = _spawn(m, d, device, t or 16, args.timeout)
+            r = _spawn(m, d, device, t or 16, args.timeout, 1 if m == "raw" else args.tp)
             r["warm"] = warm
             if "error" not in r and r.get("digests") is not None:
                 r["check"] = compare(ref, r.pop("digests"))
@@ -467,6 +558,12 @@ def run(args) -> int:
         os.makedirs(ckpt)
         ref = write_checkpoint(ckpt, size, args.shards, 1234, not args.quiet)
     total = sum(os.path.getsize(p) for p in _shards(ckpt))
+    if args.tp < 1:
+        raise SystemExit("phx bench load: --tp must be at least 1")
+    if args.tp > 1:
+        methods = [m for m in methods if m in TP_METHODS]
+        _check_tp(ckpt, args.tp)
+        ref = tp_reference(ckpt, args.tp)
     nrows = sum(len(args.raw_threads.split(",")) if m == "raw" else 1 for m in methods)
     rows: list[dict[str, Any]] = []
 
@@ -475,7 +572,7 @@ def run(args) -> int:
         _print(rows, device)
         write_json(args.json, {
             "benchmark": "load", "device": device, "checkpoint_bytes": total,
-            "tensors": len(ref), "shards": args.shards, "repeat": args.repeat,
+            "tensors": len(ref), "shards": args.shards, "repeat": args.repeat, "tp": args.tp,
             "storage": storage_description(ckpt), "rows": rows})
 
     bar = progress(nrows * args.repeat * ((not args.no_disk) + bool(args.zram)),
