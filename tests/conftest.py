@@ -391,6 +391,30 @@ def engine():
     return phx.Engine()
 
 
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory):
+    """``tests/gpu_fake/fake_cuda.c`` built once as ``libcuda.so.1``: the folder
+    to put on ``LD_LIBRARY_PATH`` of a child that should see it as CUDA."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("needs a C compiler for the fake libcuda (tests/gpu_fake)")
+    d = tmp_path_factory.mktemp("fakecuda")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_fake", "fake_cuda.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"), src,
+                    "-lpthread"], check=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(fake_libcuda):
+    """The fake libcuda, for tests that drive phx's GPU module against it."""
+    try:
+        import phx._lib.cuda  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"phx built without its GPU module: {e}")
+    return fake_libcuda
+
+
 def real_gpu_marks() -> list:
     """``pytestmark = real_gpu_marks()`` for a suite that needs a real CUDA GPU:
     marks it ``gpu`` and skips it unless phx.gpu can work (its module built, a

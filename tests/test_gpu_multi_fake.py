@@ -15,30 +15,14 @@ adds (peer traffic, PCIe placement, the bandwidth) is not tested here.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAKE = os.path.join(ROOT, "tests", "gpu_fake", "fake_cuda.c")
 
 
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory):
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("needs a C compiler")
-    d = tmp_path_factory.mktemp("fakecuda_multi")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"), FAKE,
-                    "-lpthread"], check=True)
-    return d
 
 
 def _fake_sysfs(root, ndev: int) -> list[int]:

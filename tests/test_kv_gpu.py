@@ -15,7 +15,6 @@ The fake proves the logic, not CUDA: the same properties are checked on the H200
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,23 +22,8 @@ import textwrap
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAKE = os.path.join(ROOT, "tests", "gpu_fake", "fake_cuda.c")
 
 
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("needs a C compiler for the fake libcuda")
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    d = tmp_path_factory.mktemp("fakecuda-kv")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"), FAKE,
-                    "-lpthread"], check=True)
-    return d
 
 
 def _run_fake(fake_cuda, tmp_path, script: str) -> str:

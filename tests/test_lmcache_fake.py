@@ -39,16 +39,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("needs a C compiler for tests/gpu_fake/fake_cuda.c")
-    d = tmp_path_factory.mktemp("fakecuda")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"),
-                    os.path.join(support.ROOT, "tests", "gpu_fake", "fake_cuda.c"),
-                    "-lpthread"], check=True)
-    return d
 
 
 def _mount(kind: str, where: str, image: str | None = None) -> bool:
@@ -93,12 +83,12 @@ def _run(fake, workdir: str, smallfs: str, mode: str) -> tuple[dict[str, str], s
 
 
 @pytest.fixture(scope="module", params=["staging", "direct"])
-def results(request, fake_cuda, tmp_path_factory):
+def results(request, fake_libcuda, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"phxfile-{request.param}")
     small = str(base / "small")
     mounted = _mount("tmpfs", small)
     try:
-        out, err = _run(fake_cuda, str(base), small if mounted else "-", request.param)
+        out, err = _run(fake_libcuda, str(base), small if mounted else "-", request.param)
     finally:
         if mounted:
             _umount(small)
@@ -131,13 +121,13 @@ def test_failure_logged_once_per_errno_and_file(results):
     assert "errno 28" in lines[0] and "lmcache_gds_slab.bin" in lines[0]
 
 
-def test_slab_on_xfs(fake_cuda, tmp_path):
+def test_slab_on_xfs(fake_libcuda, tmp_path):
     """The write-then-read checks with the slab on xfs (loop mount, root)."""
     mnt = str(tmp_path / "xfs")
     if not shutil.which("mkfs.xfs") or not _mount("xfs", mnt, str(tmp_path / "xfs.img")):
         pytest.skip("needs root and mkfs.xfs for an xfs loop mount")
     try:
-        extra = {"LD_LIBRARY_PATH": str(fake_cuda), "PHX_CUDA_LANES": "2"}
+        extra = {"LD_LIBRARY_PATH": str(fake_libcuda), "PHX_CUDA_LANES": "2"}
         r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
                            [mnt, "-", "roundtrip_chunks", "deferred_arguments",
                             "threads_and_streams", "closed_fd"],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,24 +20,9 @@ st = pytest.importorskip("safetensors.torch")
 
 from test_loader import rand_tensor, random_state, raw, write_sharded  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory):
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("needs a C compiler for the fake libcuda")
-    d = tmp_path_factory.mktemp("fakecuda-loader")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libcuda.so.1"),
-                    os.path.join(ROOT, "tests", "gpu_fake", "fake_cuda.c"), "-lpthread"],
-                   check=True)
-    return d
 
 
 # The child: loads with a GPUBackend whose targets are fake device memory,

@@ -34,7 +34,7 @@ def child(kind: str, d: str, arg: str) -> dict:
     if kind == "raw":
         dt, n = _raw(d, int(arg))
         return {"seconds": dt, "bytes": n}
-    ctx = phx.gpu.context()
+    phx.gpu.context()
     out["ctx_s"] = time.perf_counter() - t0
     if kind == "ctx":
         return out

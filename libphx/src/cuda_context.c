@@ -231,10 +231,36 @@ static bool memops_work(phx_cuda *c)
 	return ok;
 }
 
+/*
+ * Pin @p (@len bytes) for the GPU, device-mapped too (the copy kernel of
+ * stream ops reads and writes it): *@registered once pinned, so that
+ * phx_cuda_destroy() unpins exactly what was pinned.  @what names it in
+ * the error.
+ */
+static int host_map(phx_cuda *c, void *p, size_t len, CUdeviceptr *dptr, bool *registered,
+		    const char *what)
+{
+	char call[96];
+	CUresult r;
+
+	r = c->d->MemHostRegister(p, len, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+	if (r != CUDA_SUCCESS) {
+		snprintf(call, sizeof(call), "cuMemHostRegister (%s)", what);
+		return cu_fail(c->d, r, call);
+	}
+	*registered = true;
+	r = c->d->MemHostGetDevicePointer(dptr, p, 0);
+	if (r != CUDA_SUCCESS) {
+		snprintf(call, sizeof(call), "cuMemHostGetDevicePointer (%s)", what);
+		return cu_fail(c->d, r, call);
+	}
+	return 0;
+}
+
 static int flags_setup(phx_cuda *c)
 {
-	CUresult r;
 	uint32_t i;
+	int ret;
 
 	c->flags = mmap(NULL, FLAGS_BYTES, PROT_READ | PROT_WRITE,
 			MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -242,14 +268,9 @@ static int flags_setup(phx_cuda *c)
 		c->flags = NULL;
 		return cu_err(-ENOMEM, "cannot map the flag page");
 	}
-	r = c->d->MemHostRegister(c->flags, FLAGS_BYTES,
-				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostRegister (flags)");
-	c->flags_registered = true;
-	r = c->d->MemHostGetDevicePointer(&c->flags_d, c->flags, 0);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (flags)");
+	ret = host_map(c, c->flags, FLAGS_BYTES, &c->flags_d, &c->flags_registered, "flags");
+	if (ret)
+		return ret;
 	c->slot_free = calloc(CU_SLOTS, sizeof(*c->slot_free));
 	c->slot_seq = calloc(CU_SLOTS, sizeof(*c->slot_seq));
 	if (!c->slot_free || !c->slot_seq)
@@ -264,14 +285,10 @@ static int flags_setup(phx_cuda *c)
 		c->descs = NULL;
 		return cu_err(-ENOMEM, "cannot map the copy descriptors");
 	}
-	r = c->d->MemHostRegister(c->descs, DESCS_BYTES,
-				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostRegister (copy descriptors)");
-	c->descs_registered = true;
-	r = c->d->MemHostGetDevicePointer(&c->descs_d, c->descs, 0);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (copy descriptors)");
+	ret = host_map(c, c->descs, DESCS_BYTES, &c->descs_d, &c->descs_registered,
+		       "copy descriptors");
+	if (ret)
+		return ret;
 	c->desc_free = calloc(CU_DESCS, sizeof(*c->desc_free));
 	if (!c->desc_free)
 		return cu_err(-ENOMEM, "out of memory");
@@ -378,23 +395,6 @@ static int staging_map(phx_cuda *c)
 	return 0;
 }
 
-/* After the lanes' threads have faulted it in. */
-static int staging_register(phx_cuda *c)
-{
-	CUresult r;
-
-	/* device-mapped too: the copy kernel of stream ops reads and writes it */
-	r = c->d->MemHostRegister(c->stage, c->stage_len,
-				  CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostRegister (staging buffers)");
-	c->stage_registered = true;
-	r = c->d->MemHostGetDevicePointer(&c->stage_d, c->stage, 0);
-	if (r != CUDA_SUCCESS)
-		return cu_fail(c->d, r, "cuMemHostGetDevicePointer (staging buffers)");
-	return 0;
-}
-
 struct lane_init {
 	phx_cuda *c;
 	uint32_t index;
@@ -462,8 +462,9 @@ static int lanes_setup(phx_cuda *c, int64_t *t_reg)
 		}
 	}
 	*t_reg = phx_now_ns();
-	if (!ret)
-		ret = staging_register(c);
+	if (!ret)	/* after the lanes' threads have faulted it in */
+		ret = host_map(c, c->stage, c->stage_len, &c->stage_d, &c->stage_registered,
+			       "staging buffers");
 	for (i = 0; i < c->nlanes && !ret; i++)
 		ret = lane_start(c, &c->lanes[i]);
 out:

@@ -406,6 +406,40 @@ static void test_errors(phx_cuda *c, phx_engine *eng, void *s)
 	free(data);
 }
 
+/*
+ * @n reads of random size (1..@max_size) at random file offsets into @buf at
+ * random unaligned places (1..@max_boff), host calls and stream-ordered ones
+ * in turn, each byte-checked against @data; @buf is cleared before each.
+ * Returns the bytes read.  @who and @id name the caller in failures.
+ */
+static uint64_t mixed_reads(phx_cuda *c, phx_file *f, uint64_t buf, size_t buf_len, void *s,
+			    const unsigned char *data, size_t fsize, int n, size_t max_size,
+			    int max_boff, const char *who, int id)
+{
+	uint64_t bytes = 0;
+	int k;
+
+	for (k = 0; k < n; k++) {
+		size_t size = 1 + rnd() % max_size;
+		int64_t foff = (int64_t)(rnd() % (fsize - size)), boff = 1 + (int64_t)(rnd() % max_boff);
+		int64_t done = -7;
+
+		memset(dev(buf), 0, buf_len);
+		if (k % 2) {
+			CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0,
+			      "%s %d read_async", who, id);
+			StreamSynchronize(s);
+		} else {
+			done = phx_cuda_pread(c, f, buf + (uint64_t)boff, size, (uint64_t)foff);
+		}
+		CHECK(done == (int64_t)size, "%s %d op %d = %" PRId64, who, id, k, done);
+		CHECK(!memcmp(dev(buf + (uint64_t)boff), data + foff, size),
+		      "%s %d op %d bytes", who, id, k);
+		bytes += size;
+	}
+	return bytes;
+}
+
 struct thr_arg {
 	phx_cuda *c;
 	phx_engine *eng;
@@ -421,7 +455,6 @@ static void *thr_main(void *arg)
 	void *s;
 	uint64_t buf;
 	phx_file *f;
-	int k;
 
 	StreamCreate(&s, 1);
 	MemAlloc(&buf, 4 * MiB + 100);
@@ -429,22 +462,8 @@ static void *thr_main(void *arg)
 		CHECK(0, "thread %d: open: %s", a->id, phx_strerror_last());
 		return NULL;
 	}
-	for (k = 0; k < 12; k++) {
-		size_t size = 1 + rnd() % (2 * MiB);
-		int64_t foff = (int64_t)(rnd() % (a->fsize - size)), boff = 1 + (int64_t)(rnd() % 64);
-		int64_t done = -7;
-
-		if (k % 2) {
-			CHECK(phx_cuda_read_async(a->c, f, buf, &size, &foff, &boff, &done, s) == 0,
-			      "thread %d read_async", a->id);
-			StreamSynchronize(s);
-		} else {
-			done = phx_cuda_pread(a->c, f, buf + (uint64_t)boff, size, (uint64_t)foff);
-		}
-		CHECK(done == (int64_t)size, "thread %d op %d = %" PRId64, a->id, k, done);
-		CHECK(!memcmp(dev(buf + (uint64_t)boff), a->data + foff, size),
-		      "thread %d op %d bytes", a->id, k);
-	}
+	mixed_reads(a->c, f, buf, 4 * MiB + 100, s, a->data, a->fsize, 12, 2 * MiB, 64,
+		    "thread", a->id);
 	phx_file_close(f);
 	MemFree(buf);
 	return NULL;
@@ -751,7 +770,6 @@ static void *dev_main(void *arg)
 	uint64_t buf;
 	phx_file *f;
 	void *s;
-	int k;
 
 	CtxSetCurrent(a->cu_ctx);	/* as torch.cuda.set_device() would */
 	CHECK(StreamCreate(&s, 1) == 0 && MemAlloc(&buf, 2 * MiB + 100) == 0,
@@ -760,24 +778,8 @@ static void *dev_main(void *arg)
 		CHECK(0, "device %d: open: %s", a->dev, phx_strerror_last());
 		return NULL;
 	}
-	for (k = 0; k < 16; k++) {
-		size_t size = 1 + rnd() % MiB;
-		int64_t foff = (int64_t)(rnd() % (a->fsize - size)), boff = 1 + (int64_t)(rnd() % 999);
-		int64_t done = -7;
-
-		memset(dev(buf), 0, 2 * MiB + 100);
-		if (k % 2) {
-			CHECK(phx_cuda_read_async(a->c, f, buf, &size, &foff, &boff, &done, s) == 0,
-			      "device %d read_async", a->dev);
-			StreamSynchronize(s);
-		} else {
-			done = phx_cuda_pread(a->c, f, buf + (uint64_t)boff, size, (uint64_t)foff);
-		}
-		CHECK(done == (int64_t)size, "device %d op %d = %" PRId64, a->dev, k, done);
-		CHECK(!memcmp(dev(buf + (uint64_t)boff), a->data + foff, size),
-		      "device %d op %d bytes", a->dev, k);
-		a->bytes += size;
-	}
+	a->bytes += mixed_reads(a->c, f, buf, 2 * MiB + 100, s, a->data, a->fsize, 16, MiB, 999,
+				"device", a->dev);
 	phx_file_close(f);
 	MemFree(buf);
 	CtxSetCurrent(NULL);

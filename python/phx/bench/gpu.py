@@ -304,9 +304,9 @@ def kvikio_io(path: str, pat: Pattern, gpu, threads: int, write: bool) -> float:
 _ENGINES: dict[tuple, Any] = {}
 
 
-def _phx_engine(ctx_cfg: dict, devices: tuple[int, ...] = (0,)):
-    """One engine per configuration, with a staging context of that
-    configuration on each of ``devices`` (made before any row is timed)."""
+def _phx_engine(ctx_cfg: dict, devices: tuple[int, ...] = ()):
+    """One engine per configuration; ``devices`` (run() names them before any
+    row is timed) get a staging context of that configuration."""
     import phx
     import phx.gpu
     key = tuple(sorted(ctx_cfg.items()))

@@ -261,13 +261,14 @@ def _rank_devices(device: str, tp: int) -> list[str]:
 
 
 def _narrow(t, name: str, rank: int, tp: int):
-    """Rank ``rank``'s slice of tensor ``name`` under :data:`LLAMA_TP` (a copy)."""
-    import re
-    for rx, dim in LLAMA_TP.items():
-        if re.search(rx, name):
-            k = t.shape[dim] // tp
-            return t.narrow(dim, rank * k, k).contiguous()
-    return t
+    """Rank ``rank``'s slice of tensor ``name`` under :data:`LLAMA_TP` (a copy),
+    as ``phx.loader.tp_sharder`` slices it."""
+    from phx.loader import tp_sharder
+    sl = tp_sharder(rank, tp, LLAMA_TP)(name, tuple(t.shape))
+    if sl is None:
+        return t
+    k = t.shape[sl.dim] // tp
+    return t.narrow(sl.dim, rank * k, k).contiguous()
 
 
 def _load_tp(method: str, d: str, device: str, tp: int) -> dict[str, Any]:
@@ -298,15 +299,15 @@ def _load_tp(method: str, d: str, device: str, tp: int) -> dict[str, Any]:
 
 def _check_tp(d: str, tp: int) -> None:
     """Every sliced dimension of the checkpoint divides by ``tp`` (SystemExit if not)."""
-    import re
-    from phx.loader import open_checkpoint
+    from phx.loader import open_checkpoint, slice_shape, tp_sharder
+    shard = tp_sharder(0, tp, LLAMA_TP)
     for name, t in open_checkpoint(os.path.join(d, "model.safetensors.index.json")).tensors.items():
-        for rx, dim in LLAMA_TP.items():
-            if re.search(rx, name):
-                if t.shape[dim] % tp:
-                    raise SystemExit(f"phx bench load: --tp {tp} does not divide {name}'s "
-                                     f"dim {dim} ({t.shape[dim]})")
-                break
+        sl = shard(name, t.shape)
+        if sl is not None:
+            try:
+                slice_shape(t, sl)
+            except ValueError as e:
+                raise SystemExit(f"phx bench load: --tp {tp} does not divide: {e}") from None
 
 
 def tp_reference(d: str, tp: int) -> dict[str, str]:

@@ -34,7 +34,6 @@ import threading
 import time
 from typing import Any, Iterator
 
-import numpy as np
 
 from phx.kv import _sys
 

@@ -29,7 +29,7 @@ from typing import Any
 from phx.loader.checkpoint import Checkpoint, open_checkpoint
 from phx.loader.format import DTYPES, CheckpointError, TensorInfo
 from phx.loader.plan import Job, Sharder, Slice, plan, slice_shape, tp_sharder
-from phx.loader.stream import Backend, GPUBackend, HostBackend, backend_for, run
+from phx.loader.stream import Backend, GPUBackend, HostBackend, backend_for, cuda_index, run
 
 __all__ = [
     "Backend", "Checkpoint", "CheckpointError", "DTYPES", "GPUBackend", "HostBackend",
@@ -64,7 +64,7 @@ def prepare(device: Any = "cuda") -> concurrent.futures.Future | None:
     whose result is the context (``phx.gpu.context(device=N)``; an error is
     raised there, and again by the load), or None for a CPU device.
     """
-    index = _cuda_index(device)
+    index = cuda_index(device)
     if index is None:
         return None
     import phx.gpu
@@ -72,21 +72,6 @@ def prepare(device: Any = "cuda") -> concurrent.futures.Future | None:
     fut = pool.submit(phx.gpu.context, device=index)
     pool.shutdown(wait=False)
     return fut
-
-
-def _cuda_index(device: Any) -> int | None:
-    """The CUDA ordinal of a device spelling (int, "cuda[:N]", torch.device); None for CPU."""
-    if isinstance(device, int):
-        return device
-    kind, _, idx = str(device).partition(":")
-    if kind == "cpu":
-        return None
-    if kind != "cuda":
-        raise ValueError(f"phx.loader: unsupported device {device!r} (cpu or cuda)")
-    if idx:
-        return int(idx)
-    import torch
-    return torch.cuda.current_device()
 
 
 def iter_tensors(path: str | os.PathLike, device: Any = "cpu", *,

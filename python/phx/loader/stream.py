@@ -137,9 +137,7 @@ class TorchGPUBackend(GPUBackend):
         ok, why = phx.gpu.is_available()
         if not ok:
             raise RuntimeError(f"phx.loader: cannot load to {device}: {why}")
-        self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", cuda_index(device))
 
     def alloc(self, nbytes: int):
         import torch
@@ -150,14 +148,31 @@ class TorchGPUBackend(GPUBackend):
         return _torch_view(buf, addr, offset, out)
 
 
+def _kind(device) -> str:
+    """"cpu" or "cuda" for a device spelling (int, "cuda[:N]", "cpu", torch.device)."""
+    kind = "cuda" if isinstance(device, int) else str(device).partition(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"phx.loader: unsupported device {device!r} (cpu or cuda)")
+    return kind
+
+
+def cuda_index(device) -> int | None:
+    """The CUDA ordinal of a device spelling (bare "cuda": torch's current
+    device), or None for the CPU."""
+    if _kind(device) == "cpu":
+        return None
+    if isinstance(device, int):
+        return device
+    idx = str(device).partition(":")[2]
+    if idx:
+        return int(idx)
+    import torch
+    return torch.cuda.current_device()
+
+
 def backend_for(device) -> Backend:
     """The backend for a torch device spelling ("cpu", "cuda", "cuda:1", torch.device)."""
-    kind = str(device).split(":")[0]
-    if kind == "cpu":
-        return HostBackend()
-    if kind == "cuda":
-        return TorchGPUBackend(device)
-    raise ValueError(f"phx.loader: unsupported device {device!r} (cpu or cuda)")
+    return HostBackend() if _kind(device) == "cpu" else TorchGPUBackend(device)
 
 
 def _check(job: Job, pieces: np.ndarray, got: np.ndarray) -> None:
