@@ -235,6 +235,23 @@ def test_runner_checks_token_ids_and_reports(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_runner_dual_write_behind_row_and_bad_configs(tmp_path, capsys):
+    """dual-wb (Dual-Blade with write-behind) is a row of its own beside dual, with its
+    ratio to stock; an unknown configuration is refused before anything runs."""
+    import run_four as rf
+    c = {**_conf(), "configs": ["stock", "dual", "dual-wb"]}
+    ids = [[1, 2, 3]]
+    agg = rf.aggregate([_runs("stock", ids, 2.0), _runs("dual", ids, 1.0),
+                        _runs("dual-wb", ids, 0.8)], c)
+    wb = [r for r in agg["rows"] if r["config"] == "dual-wb"]
+    assert len(wb) == 2 and wb[0]["decode_vs_stock"] == pytest.approx(0.4)
+    assert wb[0]["n1"] == [2]
+    assert "dual-wb" in rf.table(agg["rows"])
+    rf.plot(agg["rows"], str(tmp_path / "wb.png"), c)
+    assert rf.main(["--configs", "stock,dual,bogus", "--dir", str(tmp_path)]) == 2
+    assert "unknown configuration(s) bogus" in capsys.readouterr().err
+
+
 def test_runner_on_a_real_gpu(tmp_path):
     """The whole runner, tiny: OPT-125M, 2 caps.  Needs CUDA and root."""
     torch = pytest.importorskip("torch")

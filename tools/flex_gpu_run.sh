@@ -15,7 +15,8 @@
 # batch 4, 8 generated tokens: a KV working set of 1.01 GiB (64 tensors of
 # (519, 128, 128) fp16), decode reads 7 x ~1 GiB; caps = 256 MiB + 0.2 ... 1.2 x
 # the working set; one worker per configuration (model loaded once, all caps).
-# FLEX_ARGS: more run_four.py options (e.g. --write-behind).
+# FLEX_ARGS: more run_four.py options (e.g. --write-behind); FLEX_CONFIGS: the
+# configurations (add dual-wb for Dual-Blade with write-behind beside plain dual).
 . "$(dirname "$0")/gpu_common.sh" || exit 1
 DATA=${FLEX_DIR:-/var/tmp/flexkv}
 gpu_begin --elapsed run.log "$DATA"
@@ -50,6 +51,7 @@ flex() {
 	timeout $((t + 30)) python3 adapters/flexllmgen/run_four.py --budget-s $((t - 10)) \
 		--model facebook/opt-6.7b --prompt 512 --batch ${FLEX_BATCH:-4} --gen ${FLEX_GEN:-8} \
 		--caps ${FLEX_CAPS:-0.2,0.4,0.6,0.8,1.0,1.2} --repeat ${FLEX_REPEAT:-1} \
+		--configs ${FLEX_CONFIGS:-stock,cachepolicy,direct,dual} \
 		--dir "$DATA" ${FLEX_ARGS:-} \
 		--json "$OUT/flex.json" --plot "$OUT/flex.png" 2>&1 | tee -a "$LOG" | tail -45
 	rm -rf "$DATA"

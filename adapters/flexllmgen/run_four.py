@@ -45,8 +45,12 @@ import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("stock", "cachepolicy", "direct", "dual")
+# not one of the paper's four: Dual-Blade with write-behind, run beside plain Dual-Blade
+# (--configs stock,cachepolicy,direct,dual,dual-wb) so the two are compared in one run
+EXTRA_CONFIGS = ("dual-wb",)
 LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)", "cachepolicy": "CachePolicy-only",
-          "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)"}
+          "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)",
+          "dual-wb": "Dual-Blade, write-behind"}
 MiB = 1 << 20
 
 
@@ -180,9 +184,9 @@ def worker(conf: dict, out: str | None = None) -> dict:
         disk = TorchDisk(os.path.join(root, "warm"))
         pinned = len(disk.copy_threads) * 2 * 1024 ** 3     # 1 Gi fp16 elements each
     else:
-        disk = PhxDisk(os.path.join(root, "warm"), mode=cfg, relay_bytes=tb, reserve=allowance,
-                       strategy=conf.get("strategy"),
-                       write_behind=conf.get("write_behind") and cfg == "dual")
+        wb = cfg == "dual-wb" or (conf.get("write_behind") and cfg == "dual")
+        disk = PhxDisk(os.path.join(root, "warm"), mode="dual" if wb else cfg, relay_bytes=tb,
+                       reserve=allowance, strategy=conf.get("strategy"), write_behind=wb)
         pinned = disk.relays.pinned_bytes if disk.relays else 0
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     opt_config = fo.get_opt_config(conf["model"])
@@ -296,7 +300,7 @@ def aggregate(results: list[dict], conf: dict) -> dict:
                                       if vals and median(vals) else None)
             row["pinned_bytes"] = next((r["pinned_bytes"] for r in results
                                         if r["config"] == cfg), None)
-            if cfg == "dual":
+            if cfg.startswith("dual"):
                 row["n1"] = [len((x.get("phx") or {}).get("plan", {}).get("layers_pagecache")
                                  or []) for x in good]
                 row["pipeline"] = [((x.get("phx") or {}).get("pipeline") or {}).get("choice")
@@ -350,8 +354,9 @@ def plot(rows: list[dict], path: str, conf: dict) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     styles = {"stock": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
-              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D")}
-    for cfg in CONFIGS:
+              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
+              "dual-wb": ("tab:olive", "v")}
+    for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s") is not None]
         if not rs:
             continue
@@ -426,19 +431,24 @@ def main(argv=None) -> int:
                    help="seconds for the whole sweep: each worker gets the time left / the "
                         "workers left (caps it finished are kept when it is stopped)")
     a = p.parse_args(argv)
+    conf = {"model": a.model, **MODELS[a.model], "batch": a.batch, "prompt": a.prompt,
+            "gen": a.gen, "caps": [float(x) for x in a.caps.split(",")],
+            "configs": [c for c in a.configs.split(",") if c], "allowance": a.allowance,
+            "seed": a.seed, "write_behind": a.write_behind}
+    bad = [c for c in conf["configs"] if c not in CONFIGS + EXTRA_CONFIGS]
+    if bad:
+        print(f"run_four: unknown configuration(s) {', '.join(bad)}; known: "
+              f"{', '.join(CONFIGS + EXTRA_CONFIGS)}", file=sys.stderr)
+        return 2
+    if "stock" not in conf["configs"]:
+        print("run_four: the stock configuration is the reference for the token ids",
+              file=sys.stderr)
+        return 2
     from phx.bench._kv_cgroup import MemCgroup, can_create
     ok, why = can_create()
     if not ok:
         print(f"run_four: {why}", file=sys.stderr)
         return 1
-    conf = {"model": a.model, **MODELS[a.model], "batch": a.batch, "prompt": a.prompt,
-            "gen": a.gen, "caps": [float(x) for x in a.caps.split(",")],
-            "configs": [c for c in a.configs.split(",") if c], "allowance": a.allowance,
-            "seed": a.seed, "write_behind": a.write_behind}
-    if "stock" not in conf["configs"]:
-        print("run_four: the stock configuration is the reference for the token ids",
-              file=sys.stderr)
-        return 2
     print(f"KV working set {working_set(conf) / MiB:.0f} MiB ({kv_shape(conf)} fp16 x "
           f"{2 * conf['layers']}); decode reads {sum(decode_read_bytes(conf)) / 1e9:.2f} GB; "
           f"caps = {a.allowance / MiB:.0f} MiB + fraction x WS", flush=True)
