@@ -58,7 +58,7 @@ def test_flexgen_imports_and_phxdisk_is_a_disk():
 
 
 @pytest.mark.parametrize("dev", ["cpu", "cuda"])
-@pytest.mark.parametrize("mode", ["dual", "dual+write-behind", "direct", "cachepolicy"])
+@pytest.mark.parametrize("mode", ["dual", "dual+no-write-behind", "direct", "cachepolicy"])
 def test_phxdisk_through_general_copy(kvdir, mode, dev):
     """FlexLLMGen's KV traffic through its general_copy onto PhxDisk (CPU tensors
     here; CUDA tensors through the Co-DMA relays on a GPU): every read returns the
@@ -73,10 +73,12 @@ def test_phxdisk_through_general_copy(kvdir, mode, dev):
     cpu = host if dev == "cpu" else pb.TorchDevice("cuda:0")
     tb = 45 * 16 * 16 * 2                       # (prompt+gen-1, B*heads, head_dim) fp16
     budget = 3 * 2 * 24576 if mode != "direct" else None    # 3 layers of 6
-    mode, _, wb = mode.partition("+")
+    mode, _, nowb = mode.partition("+")
     d = PhxDisk(os.path.join(kvdir, mode), mode=mode, budget=budget, num_copy_threads=4,
-                relay_bytes=tb if dev == "cuda" else None, write_behind=bool(wb))
-    assert d.store.write_behind is bool(wb)
+                relay_bytes=tb if dev == "cuda" else None,
+                write_behind=False if nowb else None)
+    # write-behind is Dual-Blade's default, never CachePolicy-only's
+    assert d.store.write_behind is (mode == "dual" and not nowb)
     caches = [d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol) for _ in range(6)]
     assert caches[0][0].shape == (45, 16, 16) and caches[0][0].data.nbytes == tb
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -236,17 +238,17 @@ def test_runner_checks_token_ids_and_reports(tmp_path):
 
 
 def test_runner_dual_write_behind_row_and_bad_configs(tmp_path, capsys):
-    """dual-wb (Dual-Blade with write-behind) is a row of its own beside dual, with its
+    """dual-nowb (Dual-Blade without write-behind) is a row of its own beside dual, with its
     ratio to stock; an unknown configuration is refused before anything runs."""
     import run_four as rf
-    c = {**_conf(), "configs": ["stock", "dual", "dual-wb"]}
+    c = {**_conf(), "configs": ["stock", "dual", "dual-nowb"]}
     ids = [[1, 2, 3]]
     agg = rf.aggregate([_runs("stock", ids, 2.0), _runs("dual", ids, 1.0),
-                        _runs("dual-wb", ids, 0.8)], c)
-    wb = [r for r in agg["rows"] if r["config"] == "dual-wb"]
+                        _runs("dual-nowb", ids, 0.8)], c)
+    wb = [r for r in agg["rows"] if r["config"] == "dual-nowb"]
     assert len(wb) == 2 and wb[0]["decode_vs_stock"] == pytest.approx(0.4)
     assert wb[0]["n1"] == [2]
-    assert "dual-wb" in rf.table(agg["rows"])
+    assert "dual-nowb" in rf.table(agg["rows"])
     rf.plot(agg["rows"], str(tmp_path / "wb.png"), c)
     assert rf.main(["--configs", "stock,dual,bogus", "--dir", str(tmp_path)]) == 2
     assert "unknown configuration(s) bogus" in capsys.readouterr().err

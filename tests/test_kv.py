@@ -247,7 +247,10 @@ def test_group1_write_behind(fs_dir, behind):
     _need_cachestat()
     rng = np.random.default_rng(11)
     shape = (600, 8, 128)                             # 1.2 MiB, 2 KiB rows
-    st = KVStore(fs_dir, mode="dual", budget=1 << 30, write_behind=behind)
+    st = KVStore(fs_dir, mode="dual", budget=1 << 30, write_behind=None if behind else False)
+    # on by default in dual mode only: CachePolicy-only is the paper's, as it is
+    assert st.write_behind is behind
+    assert KVStore(os.path.join(fs_dir, "cp"), mode="pagecache").write_behind is False
     t, _ = st.allocate(0, shape, np.float16)
     st.plan()
     assert t.group == PAGECACHE

@@ -15,8 +15,8 @@
 # batch 4, 8 generated tokens: a KV working set of 1.01 GiB (64 tensors of
 # (519, 128, 128) fp16), decode reads 7 x ~1 GiB; caps = 256 MiB + 0.2 ... 1.2 x
 # the working set; one worker per configuration (model loaded once, all caps).
-# FLEX_ARGS: more run_four.py options (e.g. --write-behind); FLEX_CONFIGS: the
-# configurations (add dual-wb for Dual-Blade with write-behind beside plain dual).
+# FLEX_ARGS: more run_four.py options; FLEX_CONFIGS: the configurations (add
+# dual-nowb for Dual-Blade without its write-behind beside dual).
 . "$(dirname "$0")/gpu_common.sh" || exit 1
 DATA=${FLEX_DIR:-/var/tmp/flexkv}
 gpu_begin --elapsed run.log "$DATA"

@@ -134,13 +134,13 @@ class PhxDisk:
         budget, reserve: passed to the store (B_pc override / budgeter reserve).
         strategy: force Overlap-Intra or -Cross (default: adaptive, dual only).
         write_behind: passed to the store (start the writeback of large page-cache
-            writes at once; off by default).
+            writes at once; ``None``: the store's default, on for ``dual``).
     """
 
     def __init__(self, path, mem_capacity=None, cuda_id=0, num_copy_threads=4, *,
                  mode: str = "dual", relay_bytes: int | None = None,
                  budget: int | None = None, reserve: int | None = None,
-                 strategy: str | None = None, write_behind: bool = False):
+                 strategy: str | None = None, write_behind: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.name = path
@@ -153,7 +153,7 @@ class PhxDisk:
         self.num_copy_threads = num_copy_threads
         self._budget, self._reserve = budget, reserve
         self._strategy = strategy
-        self._write_behind = bool(write_behind)
+        self._write_behind = write_behind
         self.relays = None
         if relay_bytes and torch.cuda.is_available():
             # made once, outside any later memory cap (FlexLLMGen's relays are too),

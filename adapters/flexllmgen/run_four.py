@@ -45,12 +45,13 @@ import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("stock", "cachepolicy", "direct", "dual")
-# not one of the paper's four: Dual-Blade with write-behind, run beside plain Dual-Blade
-# (--configs stock,cachepolicy,direct,dual,dual-wb) so the two are compared in one run
-EXTRA_CONFIGS = ("dual-wb",)
+# not one of the paper's four: Dual-Blade without phx's write-behind (the paper's own
+# design), run beside dual (--configs stock,cachepolicy,direct,dual,dual-nowb) so the
+# two are compared in one run
+EXTRA_CONFIGS = ("dual-nowb",)
 LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)", "cachepolicy": "CachePolicy-only",
           "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)",
-          "dual-wb": "Dual-Blade, write-behind"}
+          "dual-nowb": "Dual-Blade, no write-behind"}
 MiB = 1 << 20
 
 
@@ -184,9 +185,10 @@ def worker(conf: dict, out: str | None = None) -> dict:
         disk = TorchDisk(os.path.join(root, "warm"))
         pinned = len(disk.copy_threads) * 2 * 1024 ** 3     # 1 Gi fp16 elements each
     else:
-        wb = cfg == "dual-wb" or (conf.get("write_behind") and cfg == "dual")
-        disk = PhxDisk(os.path.join(root, "warm"), mode="dual" if wb else cfg, relay_bytes=tb,
-                       reserve=allowance, strategy=conf.get("strategy"), write_behind=wb)
+        nowb = cfg == "dual-nowb"
+        disk = PhxDisk(os.path.join(root, "warm"), mode="dual" if nowb else cfg, relay_bytes=tb,
+                       reserve=allowance, strategy=conf.get("strategy"),
+                       write_behind=False if nowb else None)
         pinned = disk.relays.pinned_bytes if disk.relays else 0
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     opt_config = fo.get_opt_config(conf["model"])
@@ -355,7 +357,7 @@ def plot(rows: list[dict], path: str, conf: dict) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     styles = {"stock": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
               "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
-              "dual-wb": ("tab:olive", "v")}
+              "dual-nowb": ("tab:olive", "v")}
     for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s") is not None]
         if not rs:
@@ -420,9 +422,6 @@ def main(argv=None) -> int:
     p.add_argument("--allowance", type=int, default=256 * MiB,
                    help="bytes of the cap beyond the KV share (the run's new non-KV memory)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--write-behind", action="store_true",
-                   help="Dual-Blade starts the writeback of its large page-cache writes at once "
-                        "(phx.kv.KVStore write_behind; an experiment, off by default)")
     p.add_argument("--dir", default="/var/tmp/flexkv")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
@@ -434,7 +433,7 @@ def main(argv=None) -> int:
     conf = {"model": a.model, **MODELS[a.model], "batch": a.batch, "prompt": a.prompt,
             "gen": a.gen, "caps": [float(x) for x in a.caps.split(",")],
             "configs": [c for c in a.configs.split(",") if c], "allowance": a.allowance,
-            "seed": a.seed, "write_behind": a.write_behind}
+            "seed": a.seed}
     bad = [c for c in conf["configs"] if c not in CONFIGS + EXTRA_CONFIGS]
     if bad:
         print(f"run_four: unknown configuration(s) {', '.join(bad)}; known: "

@@ -323,12 +323,14 @@ class PageCacheBackend(_FileBackendBase):
     ``write_behind``: start the writeback of every write of at least
     :data:`WRITE_BEHIND_MIN` bytes at once (``sync_file_range(
     SYNC_FILE_RANGE_WRITE)``, not waited for), so Group 1's pages turn clean
-    while they stay cached.  Why one might: left dirty, a prefill's worth of KV
-    is written back by the flusher later, during decode, and under a memory cap
-    dirty pages cannot be reclaimed without waiting for their writeback.  On the
+    while they stay cached.  Why: left dirty, a prefill's worth of KV is
+    written back by the flusher later, during decode, and under a memory cap
+    dirty pages cannot be reclaimed without waiting for their writeback (and a
+    cgroup's dirty limit, a fraction of its cap, throttles the writer).  On the
     H200 every page-cache configuration of the FlexLLMGen runs (stock
-    FlexLLMGen too) had one decode step of ~2 s where the others took
-    0.2-0.6 s; whether this removes it is not measured yet (docs/kv.md).
+    FlexLLMGen too) had one decode step, or the prefill, of 1.2-2.4 s where
+    the others took 0.2-0.7 s; Dual-Blade with write-behind had none
+    (docs/kv.md, "Write-behind").
     """
 
     def __init__(self, path: str, write_behind: bool = False):

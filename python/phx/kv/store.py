@@ -180,8 +180,9 @@ class KVStore:
             (e.g. one pool kept over several stores); not closed by :meth:`destroy`.
         write_behind: start the writeback of each page-cache write of at least
             :data:`~phx.kv.slab.WRITE_BEHIND_MIN` bytes at once, so Group 1 stays
-            cached but clean (off by default: an experiment, not yet measured
-            where it matters; see docs/kv.md, "Write-behind").
+            cached but clean.  ``None`` (the default): on in ``dual`` mode, off in
+            ``pagecache`` (CachePolicy-only: the paper's configuration, kept); see
+            docs/kv.md, "Write-behind", for what it changed on the H200.
     """
 
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
@@ -189,13 +190,13 @@ class KVStore:
                  direct_backend: DirectBackend | None = None,
                  slab_capacity: int | None = None, engine=None,
                  device: int | None = None, copy_threads: int = 2, relays=None,
-                 write_behind: bool = False):
+                 write_behind: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.mode = mode
-        self.write_behind = bool(write_behind)
+        self.write_behind = mode == "dual" if write_behind is None else bool(write_behind)
         self.budget_override = budget
         self.reserve = reserve
         self.pinned_bytes = pinned_bytes
