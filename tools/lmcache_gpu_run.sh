@@ -84,9 +84,10 @@ step() {
 		--concurrency 1,2,4,8 ;;
 	# the seed's scale (contexts ~85K tokens by round 30, 99K at most; 93 % prefix
 	# hits): 2 sessions = 22 GB of KV, ~330 GB of prefix loads per method; estimated
-	# ~6 min with build, not yet run
+	# ~6 min with build (REPLAY_METHODS: which, in order: the slowest last, as a
+	# method cut off by the time limit leaves only its log line)
 	replay-seed) bench replay-seed --mode replay --no-disk --zram 28G --sessions 2 --rounds 30 \
-		--token-scale 1.0 ;;
+		--token-scale 1.0 --replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
