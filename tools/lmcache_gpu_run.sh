@@ -20,7 +20,7 @@
 # used only where LMCache's cufile backend cannot start).
 . "$(dirname "$0")/gpu_common.sh" || exit 1
 gpu_begin lmcache.log "$BENCHDIR"
-BUDGET=570	# one device call may run 600 s: each bench step gets what is left of 570 s
+BUDGET=${LMC_BUDGET_S:-570}	# one device call may run 600 s: each bench step gets what is left of 570 s
 
 setup() {
 	log setup
@@ -59,13 +59,17 @@ bench() {	# $1 name, then phx bench lmcache options
 	left=$(time_left)
 	[ $left -gt 30 ] || { log "bench $name skipped: no time left"; return 0; }
 	log "bench $name ($left s left): $*"
-	timeout $left python3 -m phx bench lmcache --dir $BENCHDIR \
-		--json "$OUT/$name.json" --plot "$OUT/$name.png" "$@" 2>&1 | tee -a "$LOG" | tail -60
+	PYTHONFAULTHANDLER=1 timeout $left python3 -m phx bench lmcache --dir $BENCHDIR \
+		--json "$OUT/$name.json" --plot "$OUT/$name.png" "$@" 2>&1 |
+		grep --line-buffered -v "GDSContext: registered" | tee -a "$LOG" | tail -60
 }
 
 step() {
 	case $1 in
 	setup) setup ;;
+	flood) log "flood: $(command -v gdb || echo no gdb)"
+		PYTHONFAULTHANDLER=1 timeout 120 python3 tools/stream_flood.py $BENCHDIR/flood.bin \
+			--ops ${FLOOD_OPS:-2000} 2>&1 | tee -a "$LOG" | tail -30 ;;
 	build) build ;;
 	tests) tests ;;
 	bench-small) bench bench-small --mode chunks --chunks 16 --latency-chunks 8 --repeat 1 \
