@@ -42,25 +42,32 @@ def fake_build(tmp_path_factory):
                     os.path.join(FAKE, "fake_cuda.c"), "-lpthread"], check=True)
     src = [os.path.join(ROOT, "libphx", "src", f)
            for f in sorted(os.listdir(os.path.join(ROOT, "libphx", "src"))) if f.endswith(".c")]
-    subprocess.run([cc, "-O1", "-g", "-D_GNU_SOURCE", f"-I{ROOT}/libphx/include",
-                    f"-I{ROOT}/libphx/src", f"-I{ROOT}/kernel/include/uapi",
-                    "-o", str(d / "cuda_fake_test"), os.path.join(FAKE, "cuda_fake_test.c"),
-                    *src, *uring, "-ldl", "-lpthread"], check=True)
+    for name, extra in (("cuda_fake_test", []),
+                        # AddressSanitizer: use-after-free, double free and leaks of
+                        # the request life cycle (gcc's libasan, with gcc on Debian)
+                        ("cuda_fake_test_asan", ["-fsanitize=address",
+                                                 "-fno-omit-frame-pointer"])):
+        subprocess.run([cc, "-O1", "-g", *extra, "-D_GNU_SOURCE", f"-I{ROOT}/libphx/include",
+                        f"-I{ROOT}/libphx/src", f"-I{ROOT}/kernel/include/uapi",
+                        "-o", str(d / name), os.path.join(FAKE, "cuda_fake_test.c"),
+                        *src, *uring, "-ldl", "-lpthread"], check=True)
     return d
 
 
-@pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3"])
+@pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3", "asan"])
 def test_c_api_against_fake_cuda(fake_build, tmp_path, mode):
     """cuda_fake_test.c; with devices-N it runs its one-process, N-device tests
     (a context per device, a thread feeding each, EXDEV across devices, staging
-    on the device's NUMA node through a fake sysfs) instead of the others."""
+    on the device's NUMA node through a fake sysfs) instead of the others; asan
+    runs the single-device tests built with AddressSanitizer (leaks included)."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
     env.pop("PHX_TEST_SYSFS_ROOT", None)
     if mode == "no-batch-copy":
         env["FAKE_CUDA_NO_BATCH"] = "1"
     if mode.startswith("devices-"):
         env["FAKE_CUDA_DEVICES"] = mode.split("-")[1]
-    r = subprocess.run([str(fake_build / "cuda_fake_test"), str(tmp_path)], env=env,
+    exe = "cuda_fake_test_asan" if mode == "asan" else "cuda_fake_test"
+    r = subprocess.run([str(fake_build / exe), str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all passed" in r.stdout

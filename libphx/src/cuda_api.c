@@ -210,6 +210,7 @@ static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t base,
 		       int64_t *bytes_done, void *stream)
 {
 	struct phx_cuda_io *io;
+	int ret;
 
 	if (!c)
 		return cu_err(-EINVAL, "NULL context");
@@ -219,8 +220,11 @@ static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t base,
 		return cu_err(-ENOMEM, "out of memory");
 	io->file = f;
 	io->op = op;
-	return rq_stream(c, io, true, f, op, base, size, foff, boff, bytes_done,
-			 (CUstream)stream);
+	ret = rq_stream(c, io, true, f, op, base, size, foff, boff, bytes_done,
+			(CUstream)stream);
+	if (ret)
+		free(io);	/* refused: the request never took it */
+	return ret;
 }
 
 CU_EXPORT int phx_cuda_read_async(phx_cuda *c, phx_file *f, uint64_t devptr_base,

@@ -1006,11 +1006,17 @@ static void rq_release(struct cu_req *rq)
 		slot_put_locked(c, rq->slot);
 		descs_put_locked(c, rq->stages, rq->nstages);
 	}
+	/*
+	 * Everything of the record before it is on the free list: from there
+	 * another thread may take it at once (rq_alloc) and give it new rounds,
+	 * which a free() after the unlock would take away from it (the H200's
+	 * seed-scale LMCache replay segfaulted in phxFileReadAsync that way).
+	 */
+	free(rq->stages);
+	rq->stages = NULL;
 	rq->next = c->free_reqs;
 	c->free_reqs = rq;
 	pthread_mutex_unlock(&c->lock);
-	free(rq->stages);
-	rq->stages = NULL;
 	live_dec(c, io);
 }
 
@@ -1023,11 +1029,16 @@ void rq_finish(struct cu_req *rq)
 
 /*
  * Undo a stream op whose arrival could not be queued: nothing of it is on
- * the stream, and the caller gets the error from the call itself.
+ * the stream, and the caller gets the error from the call itself.  An owned
+ * io stays the caller's to free, as on every other failure of rq_stream().
  */
 void rq_abandon(struct cu_req *rq, int err)
 {
 	if (rq->io && !rq->owned)
 		rq->io->result = err;
+	if (rq->owned) {
+		rq->owned = false;
+		rq->io = NULL;
+	}
 	rq_release(rq);
 }

@@ -487,6 +487,55 @@ static void test_threads(phx_cuda *c, phx_engine *eng)
 }
 
 /*
+ * Stream ops queued while earlier ones are being released: the submitting
+ * thread reuses request records that CUDA's callback thread has just handed
+ * back.  A release once freed a request's round array after putting the
+ * request on the free list, so a new op could lose its rounds (seen as a
+ * segfault in phxFileReadAsync on the H200 at the seed-scale LMCache replay;
+ * under AddressSanitizer here as a use-after-free).
+ */
+static void test_stream_churn(phx_cuda *c, phx_engine *eng, void *s)
+{
+	enum { N = 6000, SZ = 4096 + 7 };
+	size_t fsize = 4 * MiB + 11;
+	unsigned char *data = make_file("churn.bin", fsize);
+	static int64_t foff[N], boff[N], done[N];
+	static size_t size[N];
+	uint64_t buf;
+	phx_file *f;
+	int i, bad = 0, ret;
+
+	phx_file_open(eng, path_of("churn.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, 64 * SZ);
+	for (i = 0; i < N; i++) {
+		size[i] = SZ - (i % 13);
+		foff[i] = (int64_t)((uint64_t)i * 7919 % (fsize - SZ));
+		boff[i] = (int64_t)(i % 64) * SZ;
+		done[i] = -1;
+		ret = phx_cuda_read_async(c, f, buf, &size[i], &foff[i], &boff[i], &done[i], s);
+		if (ret == -EAGAIN) {		/* every slot busy: let the stream drain */
+			StreamSynchronize(s);
+			ret = phx_cuda_read_async(c, f, buf, &size[i], &foff[i], &boff[i],
+						  &done[i], s);
+		}
+		CHECK(ret == 0, "churn op %d: %d", i, ret);
+		if (i % 64 == 63) {
+			/* the last 64 ops wrote 64 distinct places: check them */
+			StreamSynchronize(s);
+			for (int k = i - 63; k <= i; k++)
+				if (done[k] != (int64_t)size[k] ||
+				    memcmp(dev(buf + boff[k]), data + foff[k], size[k]))
+					bad++;
+		}
+	}
+	StreamSynchronize(s);
+	CHECK(!bad, "%d of %d churned stream reads wrong", bad, N);
+	CHECK(phx_file_close(f) == 0, "close after churn");
+	MemFree(buf);
+	free(data);
+}
+
+/*
  * A device-wide synchronisation (cudaFree, a growing allocator) in another
  * thread while stream ops wait on their streams: they must complete without
  * any CUDA call from the lanes, or the process hangs (seen on the H200 with
@@ -557,7 +606,7 @@ static void test_no_memops(phx_engine *eng)
 	uint64_t buf;
 	phx_file *f;
 
-	make_file("nm.bin", 100);
+	free(make_file("nm.bin", 100));
 	phx_file_open(eng, path_of("nm.bin"), O_RDONLY, 0, 0, &f);
 	MemAlloc(&buf, 128);
 	CHECK(!(phx_cuda_features(c) & PHX_CUDA_FEAT_MEMOPS), "memops reported");
@@ -902,6 +951,7 @@ int main(int argc, char **argv)
 	test_stream_eof_shrink(c, eng, s1);
 	test_errors(c, eng, s2);
 	test_threads(c, eng);
+	test_stream_churn(c, eng, s1);
 	test_stream_ops_survive_device_sync(c, eng, s1);
 	CHECK(phx_cuda_destroy(c) == 0, "destroy");
 	test_destroy_with_queued(eng);
