@@ -54,19 +54,23 @@ def fake_build(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3", "asan"])
+@pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3", "asan",
+                                  "early", "asan-early"])
 def test_c_api_against_fake_cuda(fake_build, tmp_path, mode):
     """cuda_fake_test.c; with devices-N it runs its one-process, N-device tests
     (a context per device, a thread feeding each, EXDEV across devices, staging
     on the device's NUMA node through a fake sysfs) instead of the others; asan
-    runs the single-device tests built with AddressSanitizer (leaks included)."""
+    runs the single-device tests built with AddressSanitizer (leaks included);
+    early with every context's early reads on (PHX_CUDA_EARLY_READS=1)."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
     env.pop("PHX_TEST_SYSFS_ROOT", None)
     if mode == "no-batch-copy":
         env["FAKE_CUDA_NO_BATCH"] = "1"
     if mode.startswith("devices-"):
         env["FAKE_CUDA_DEVICES"] = mode.split("-")[1]
-    exe = "cuda_fake_test_asan" if mode == "asan" else "cuda_fake_test"
+    if mode.endswith("early"):
+        env["PHX_CUDA_EARLY_READS"] = "1"
+    exe = "cuda_fake_test_asan" if mode.startswith("asan") else "cuda_fake_test"
     r = subprocess.run([str(fake_build / exe), str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

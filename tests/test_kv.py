@@ -257,12 +257,14 @@ def test_group1_write_behind(fs_dir, behind):
     d = _rand(rng, shape, np.float16)
     st.write(t, 0, d)
     pc = st.backend_of(t)
+    pc.wait_write_behind()          # started on its own thread: not in the writer
     dirty = _sys.dirty_pages(pc.fileno(), t.extent.start, t.nbytes)
     if behind:
         assert dirty == 0, f"{dirty} Group 1 pages still dirty after a write-behind write"
     else:
         assert dirty > 0, "CachePolicy-only's pages were not dirty: the check sees nothing"
     assert st.cached_pages(t) == (300, 300)
+    assert pc.write_behind_errors == 0
     # rows written again while their pages may still be under writeback (a
     # redirtied folio then waits for the flusher: write-behind does not wait)
     st.write(t, 7, _rand(rng, (3,) + shape[1:], np.float16))

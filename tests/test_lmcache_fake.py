@@ -121,13 +121,18 @@ def test_failure_logged_once_per_errno_and_file(results):
     assert "errno 28" in lines[0] and "lmcache_gds_slab.bin" in lines[0]
 
 
-def test_slab_on_xfs(fake_libcuda, tmp_path):
-    """The write-then-read checks with the slab on xfs (loop mount, root)."""
+@pytest.mark.parametrize("early", [False, True], ids=["", "early-reads"])
+def test_slab_on_xfs(fake_libcuda, tmp_path, early):
+    """The write-then-read checks with the slab on xfs (loop mount, root); also with
+    libphx's early reads (PHX_CUDA_EARLY_READS=1), whose first version crashed here
+    (about one run in five) when a read finished before its early start looked at it."""
     mnt = str(tmp_path / "xfs")
     if not shutil.which("mkfs.xfs") or not _mount("xfs", mnt, str(tmp_path / "xfs.img")):
         pytest.skip("needs root and mkfs.xfs for an xfs loop mount")
     try:
         extra = {"LD_LIBRARY_PATH": str(fake_libcuda), "PHX_CUDA_LANES": "2"}
+        if early:
+            extra["PHX_CUDA_EARLY_READS"] = "1"
         r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
                            [mnt, "-", "roundtrip_chunks", "deferred_arguments",
                             "threads_and_streams", "closed_fd"],

@@ -95,12 +95,26 @@ enum {
 	PHX_CUDA_NO_FIXED_BUFS = 1u << 1,
 	/* One copy call per piece instead of cuMemcpyBatchAsync. */
 	PHX_CUDA_NO_BATCH_COPY = 1u << 2,
+	/*
+	 * Early reads (an experiment, off by default; PHX_CUDA_EARLY_READS=1):
+	 * a stream-ordered read's file I/O into staging starts when it is
+	 * queued, on its arguments as they are then, so that reads queued on
+	 * one stream overlap their file I/O.  When the stream arrives the
+	 * arguments are read again (cuFile semantics are kept): the early bytes
+	 * are used only if the arguments are the same, no write through this
+	 * context was queued on the file meanwhile (none was in flight when it
+	 * began) and the file's size and change time are unchanged; otherwise
+	 * they are thrown away and read again.  What it cannot see: a file
+	 * changed behind the same change time (within one timestamp tick) by
+	 * another file handle or process while the read was queued.
+	 */
+	PHX_CUDA_EARLY_READS = 1u << 3,
 };
 
 /*
  * Fill @cfg with the defaults above, overridden by PHX_CUDA_DEVICE,
  * PHX_CUDA_LANES, PHX_CUDA_BUFS, PHX_CUDA_BUF_SIZE, PHX_CUDA_MAX_IO,
- * PHX_CUDA_NO_MEMOPS=1 and PHX_CUDA_NO_BATCH_COPY=1.
+ * PHX_CUDA_NO_MEMOPS=1, PHX_CUDA_NO_BATCH_COPY=1 and PHX_CUDA_EARLY_READS=1.
  */
 void phx_cuda_config_init(struct phx_cuda_config *cfg);
 
@@ -282,7 +296,9 @@ struct phx_cuda_stats {
 	uint64_t memcpy_batch_calls;	/* of those, cuMemcpyBatchAsync */
 	uint64_t file_adoptions;	/* lanes' phx_file_from_fd calls */
 	uint64_t pinned_bytes;		/* all pinned memory (staging + flags) */
-	uint64_t reserved[4];
+	uint64_t early_reads;		/* stream reads served by early file I/O */
+	uint64_t early_misses;		/* early file I/O thrown away at arrival */
+	uint64_t reserved[2];
 };
 
 void phx_cuda_stats(phx_cuda *cu, struct phx_cuda_stats *st);

@@ -55,6 +55,9 @@ CU_EXPORT void phx_cuda_config_init(struct phx_cuda_config *cfg)
 	v = getenv("PHX_CUDA_NO_MEMOPS");
 	if (v && atoi(v))
 		cfg->flags |= PHX_CUDA_NO_MEMOPS;
+	v = getenv("PHX_CUDA_EARLY_READS");
+	if (v && atoi(v))
+		cfg->flags |= PHX_CUDA_EARLY_READS;
 }
 
 static int config_check(const struct phx_cuda_config *c)
@@ -512,6 +515,13 @@ static int ctx_setup(phx_cuda *c)
 		return ret;
 	t[1] = phx_now_ns();
 	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c) && kernel_load(c);
+	c->early_reads = c->memops && (c->cfg.flags & PHX_CUDA_EARLY_READS);
+	/*
+	 * Half the staging at most for reads the stream has not reached, so
+	 * that work ahead of them on their streams always finds buffers (a
+	 * context of one buffer has no early reads: early_max 0).
+	 */
+	c->early_max = c->cfg.lanes * c->cfg.bufs_per_lane / 2;
 	t[2] = phx_now_ns();
 	c->batch_copy = !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY) && batch_copy_works(c);
 	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);

@@ -162,6 +162,9 @@ struct cu_file {
 	uint32_t align;			/* staging congruence: 1, or >= 512 */
 	uint32_t refs;			/* requests + registrations (c->lock) */
 	uint32_t registrations;
+	/* early reads: writes through this context queued, not yet in the file */
+	uint32_t writes_live;		/* c->lock */
+	uint32_t write_gen;		/* bumped by every write accepted (c->lock) */
 	phx_file *lf[];			/* per lane; created and used by that lane */
 };
 
@@ -190,6 +193,19 @@ struct cu_after {
 	int refs;			/* atomic */
 };
 
+/*
+ * Early reads (PHX_CUDA_EARLY_READS): a stream read's file I/O begins when
+ * it is queued, on the arguments as they are then; when the stream arrives
+ * the arguments are read again and the early pieces are used only if
+ * nothing changed (enum early_state).
+ */
+enum early_state {
+	E_NONE,		/* not early (or fallen back: an ordinary stream op) */
+	E_PENDING,	/* early pieces may be cut and read; not yet judged */
+	E_OK,		/* judged at arrival: the early pieces stand */
+	E_BAD,		/* judged: thrown away; read again once they are back */
+};
+
 /* stream-op milestones, printed at release when PHX_CUDA_TRACE=1 */
 enum rq_trace_point {
 	TR_QUEUED, TR_ARRIVED, TR_RESOLVED, TR_FILL0, TR_FLAG0, TR_DONE0, TR_FINAL,
@@ -207,6 +223,15 @@ struct cu_req {
 	bool owned;			/* io is ours: free it at the end */
 	bool stream_op;
 	bool io_args;			/* stream op: arguments are io's fields */
+	bool wtracked;			/* a write counted in cf->writes_live */
+	/* early reads (c->lock): see enum early_state */
+	uint8_t e_state;
+	bool e_queued;			/* on c->early_head */
+	bool e_cut;			/* every piece was handed out early */
+	uint32_t e_live;		/* staging buffers holding its early pieces */
+	uint32_t e_gen;			/* cf->write_gen when it began */
+	int64_t e_size, e_ctime_ns;	/* the file (fstat) when it began */
+	struct cu_req *e_next;		/* c->early_head */
 	/* stream ops: read when the stream reaches the operation */
 	const size_t *size_p;
 	const int64_t *foff_p, *boff_p;
@@ -258,6 +283,8 @@ void rq_stages_advance(struct cu_req *rq);
 void rq_trace(struct cu_req *rq, int pt);
 void rq_stage_written(struct cu_stage *st, struct cu_piece *p);
 void rq_stages_cut_done_locked(struct cu_req *rq);
+void rq_early_unlink_locked(struct cu_req *rq);
+void rq_early_restart_locked(struct cu_req *rq);
 struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
 void cf_put(phx_cuda *c, struct cu_file *cf);
 int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
@@ -284,6 +311,7 @@ enum sb_state {
 	SB_IO,		/* file I/O in flight (read: first; write: last) */
 	SB_COPY,	/* copies in flight on the lane's stream */
 	SB_GPU,		/* stream-op round: waiting for its kernel's host function */
+	SB_HELD,	/* early read done: waiting for its request to be judged */
 };
 
 struct cu_lane;
@@ -293,6 +321,7 @@ struct cu_sbuf {
 	char *mem;
 	uint8_t state;
 	uint8_t op;
+	bool early;			/* an early read's round (c->lock) */
 	uint32_t fill, npieces, ios_left;
 	CUevent ev;			/* recorded after the copies */
 	int copied;			/* set by the lane stream's host function */
@@ -333,6 +362,7 @@ int lane_start(phx_cuda *c, struct cu_lane *ln);
 void lane_stop(phx_cuda *c, struct cu_lane *ln);
 void lane_free(phx_cuda *c, struct cu_lane *ln);
 void lanes_wake(phx_cuda *c, uint32_t want);
+void lanes_kick(phx_cuda *c);
 
 /* ------------------------------------------------------------------------ */
 /* Contexts (cuda_context.c)                                                */
@@ -359,6 +389,11 @@ struct phx_cuda {
 
 	pthread_mutex_t lock;
 	struct cu_req *ready_head, *ready_tail;
+	/* early reads: stream reads queued, not arrived, with pieces to cut */
+	bool early_reads;		/* PHX_CUDA_EARLY_READS */
+	struct cu_req *early_head, *early_tail;
+	uint32_t early_bufs;		/* staging buffers holding early pieces */
+	uint32_t early_max;		/* at most this many: the rest serve arrived work */
 	struct cu_lane *sleepers;
 	struct cu_file *files;
 	struct cu_req *free_reqs;

@@ -71,6 +71,16 @@ void lanes_wake(phx_cuda *c, uint32_t want)
 		eventfd_write(fds[i], 1);
 }
 
+/* Wake every lane (early reads judged: whichever holds their rounds). */
+void lanes_kick(phx_cuda *c)
+{
+	uint32_t i;
+
+	for (i = 0; i < c->nlanes; i++)
+		if (c->lanes[i].efd >= 0)
+			eventfd_write(c->lanes[i].efd, 1);
+}
+
 static void sleeper_remove_locked(phx_cuda *c, struct cu_lane *ln)
 {
 	struct cu_lane **pp;
@@ -110,9 +120,45 @@ static struct cu_sbuf *free_buf(struct cu_lane *ln)
 }
 
 /*
+ * Early reads (c->lock held): one piece of the first queued read the stream
+ * has not reached, into @b, within the share of staging early reads may
+ * hold.  Its round is taken as for an arrived op; nothing goes to the GPU
+ * until the request is judged (rq_resolve()).
+ */
+static bool early_fill_locked(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	phx_cuda *c = ln->c;
+	struct cu_req *rq;
+
+	if (c->early_bufs >= c->early_max)
+		return false;
+	for (rq = c->early_head; rq && rq->state != RQ_WAITING; rq = rq->e_next)
+		;
+	if (!rq)
+		return false;
+	b->op = PHX_OP_READ;
+	b->fill = 0;
+	b->npieces = 0;
+	if (!rq_cut(rq, &b->pieces[0], &b->fill, c->cfg.buf_size, true))
+		return false;
+	b->stage = &rq->stages[rq->stage_next++];
+	__atomic_store_n(&b->stage->b, b, __ATOMIC_RELEASE);
+	b->npieces = 1;
+	b->early = true;
+	c->early_bufs++;
+	rq->e_live++;
+	if (rq->cursor >= rq->end) {
+		rq_early_unlink_locked(rq);
+		rq->e_cut = true;
+	}
+	return true;
+}
+
+/*
  * Take work for one free buffer; NULL when there is none (then the lane is
  * listed as a sleeper, so new work wakes it).  An arrived stream op at the
- * head is resolved first, outside the lock.
+ * head is resolved first, outside the lock; with no arrived work, an early
+ * read's piece (early_fill_locked()).
  */
 static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 {
@@ -142,6 +188,14 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 				lanes_wake(c, (uint32_t)(rq->len / c->cfg.buf_size));
 		}
 		pthread_mutex_lock(&c->lock);
+	}
+	if (!rq && c->early_head && early_fill_locked(ln, b)) {
+		sleeper_remove_locked(c, ln);
+		pthread_mutex_unlock(&c->lock);
+		b->state = SB_IO;
+		stat_add(c, &c->st.staging_fills, 1);
+		stat_add(c, &c->st.chunks, 1);
+		return b;
 	}
 	if (!rq) {
 		if (!ln->sleeping && !ln->stop) {
@@ -237,7 +291,8 @@ static void buf_start_io(struct cu_lane *ln, struct cu_sbuf *b)
 			continue;
 		lf = lane_file(ln, rq->cf, &err);
 		if (!lf) {
-			rq_fail(rq, err);
+			if (!b->early)	/* an early read tries again in order */
+				rq_fail(rq, err);
 			continue;
 		}
 		phx_io_prep(&p->pio, lf, rq->op, b->mem + p->soff, p->io_len, p->io_off);
@@ -250,7 +305,7 @@ static void buf_start_io(struct cu_lane *ln, struct cu_sbuf *b)
 	if (n) {
 		ret = phx_submit(ln->eng, ios, n);
 		if (ret) {
-			for (i = 0; i < n; i++)
+			for (i = 0; i < n && !b->early; i++)
 				rq_fail(((struct cu_piece *)((char *)ios[i] -
 					 offsetof(struct cu_piece, pio)))->rq,
 					cu_err(ret, "lane %u: %s", ln->index, phx_strerror_last()));
@@ -470,6 +525,113 @@ static void buf_release_round(struct cu_lane *ln, struct cu_sbuf *b)
 	rq_piece_done_ref(rq);
 }
 
+/* A stream op's round, its file I/O judged: the kernel on the caller's stream copies. */
+static void round_io_done(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	struct cu_piece *p = &b->pieces[0];
+	struct cu_stage *st = b->stage;
+
+	if (p->io_started)
+		rq_piece_io(p);
+	if (b->op == PHX_OP_WRITE) {
+		rq_stage_written(st, p);
+		buf_release_round(ln, b);
+		return;
+	}
+	b->state = SB_GPU;
+	rq_stage_fill(st, p, staging_d(ln, b));
+	rq_stages_advance(st->rq);
+}
+
+/*
+ * An early round's buffer goes back unused (its request judged E_BAD); the
+ * last one restarts the request as an ordinary op.
+ */
+static void early_release(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	phx_cuda *c = ln->c;
+	struct cu_req *rq = b->stage->rq;
+	bool restart;
+
+	pthread_mutex_lock(&c->lock);
+	__atomic_store_n(&b->stage->b, NULL, __ATOMIC_RELEASE);
+	b->stage = NULL;
+	b->npieces = 0;
+	b->early = false;
+	b->state = SB_FREE;
+	c->early_bufs--;
+	restart = --rq->e_live == 0 && rq->e_state == E_BAD;
+	if (restart)
+		rq_early_restart_locked(rq);
+	pthread_mutex_unlock(&c->lock);
+	if (restart)
+		lanes_wake(c, 1);
+}
+
+/* Every byte the piece carries was read (the early read may stand). */
+static bool early_piece_whole(const struct cu_piece *p)
+{
+	return p->io_started && p->pio.result >= 0 &&
+	       (uint64_t)p->pio.result >= (p->user_off - p->io_off) + p->user_len;
+}
+
+/*
+ * An early round whose file I/O is done: held until its request is judged;
+ * then used (a short or failed early read is read again, in order) or given
+ * back.
+ */
+static void early_round(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	phx_cuda *c = ln->c;
+	struct cu_req *rq = b->stage->rq;
+	uint8_t s;
+
+	pthread_mutex_lock(&c->lock);
+	s = rq->e_state;
+	if (s == E_OK) {
+		b->early = false;
+		c->early_bufs--;
+		rq->e_live--;
+	} else if (s == E_PENDING) {
+		b->state = SB_HELD;
+	}
+	pthread_mutex_unlock(&c->lock);
+	if (s == E_PENDING)
+		return;
+	if (s != E_OK) {
+		early_release(ln, b);
+		return;
+	}
+	if (early_piece_whole(&b->pieces[0]))
+		round_io_done(ln, b);
+	else
+		buf_start_io(ln, b);
+}
+
+/* Held early rounds whose requests were judged. */
+static bool lane_held(struct cu_lane *ln)
+{
+	phx_cuda *c = ln->c;
+	bool any = false;
+	uint32_t i;
+
+	for (i = 0; i < ln->nbufs; i++) {
+		struct cu_sbuf *b = &ln->bufs[i];
+		uint8_t s;
+
+		if (b->state != SB_HELD)
+			continue;
+		pthread_mutex_lock(&c->lock);
+		s = b->stage->rq->e_state;
+		pthread_mutex_unlock(&c->lock);
+		if (s == E_PENDING)
+			continue;
+		any = true;
+		early_round(ln, b);
+	}
+	return any;
+}
+
 /* Reads: the file I/O of every piece is over; copy what arrived. */
 static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 {
@@ -477,20 +639,10 @@ static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 	uint32_t i;
 
 	if (b->stage) {
-		/* a stream op's round: the kernel on the caller's stream copies */
-		struct cu_piece *p = &b->pieces[0];
-		struct cu_stage *st = b->stage;
-
-		if (p->io_started)
-			rq_piece_io(p);
-		if (b->op == PHX_OP_WRITE) {
-			rq_stage_written(st, p);
-			buf_release_round(ln, b);
-			return;
-		}
-		b->state = SB_GPU;
-		rq_stage_fill(st, p, staging_d(ln, b));
-		rq_stages_advance(st->rq);
+		if (b->early)
+			early_round(ln, b);
+		else
+			round_io_done(ln, b);
 		return;
 	}
 	if (b->op == PHX_OP_WRITE) {
@@ -643,6 +795,7 @@ static void *lane_main(void *arg)
 		bool busy = lane_reap(ln);
 
 		busy |= lane_copied(ln);
+		busy |= lane_held(ln);
 		while ((b = lane_fill(ln))) {
 			buf_start(ln, b);
 			busy = true;

@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 
 #include "cuda_internal.h"
 
@@ -258,6 +259,27 @@ static void live_inc(phx_cuda *c)
 	pthread_mutex_unlock(&c->done_lock);
 }
 
+/* A write accepted on @rq->cf: early reads of the file stand back (c->lock). */
+static void write_track_locked(struct cu_req *rq)
+{
+	if (rq->op != PHX_OP_WRITE || rq->wtracked)
+		return;
+	rq->cf->writes_live++;
+	rq->cf->write_gen++;
+	rq->wtracked = true;
+}
+
+/* The write is in the file (or never was queued). */
+static void write_untrack(struct cu_req *rq)
+{
+	if (!rq->wtracked || !rq->cf)
+		return;
+	pthread_mutex_lock(&rq->c->lock);
+	rq->cf->writes_live--;
+	rq->wtracked = false;
+	pthread_mutex_unlock(&rq->c->lock);
+}
+
 static int check_io(const struct phx_cuda_io *io)
 {
 	if (!io || !io->file)
@@ -298,15 +320,16 @@ int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
 	rq = rq_alloc(c);
 	if (!rq)
 		return cu_err(-ENOMEM, "out of memory");
+	rq->cf = *cfp;
+	rq->op = (uint8_t)io->op;
 	pthread_mutex_lock(&c->lock);
 	(*cfp)->refs++;
+	write_track_locked(rq);
 	pthread_mutex_unlock(&c->lock);
-	rq->cf = *cfp;
 	/* accepted: from here on it always completes */
 	io->done = 0;
 	io->result = 0;
 	rq->io = io;
-	rq->op = (uint8_t)io->op;
 	rq->devptr = io->devptr;
 	rq->off = io->offset;
 	rq->len = io->len;
@@ -459,6 +482,8 @@ broken:
 	return 0;
 }
 
+static void early_begin(struct cu_req *rq);
+
 /*
  * A stream-ordered request on @s.  With @io set and not @owned
  * (phx_cuda_submit_stream) its fields are the arguments; otherwise the
@@ -547,6 +572,7 @@ int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 	slots = rq->nstages + (op == PHX_OP_WRITE ? 1 : 0);
 	pthread_mutex_lock(&c->lock);
 	c->slot_seq[rq->slot] = rq->seq + slots;
+	write_track_locked(rq);
 	pthread_mutex_unlock(&c->lock);
 	rq->raised = rq->seq;
 	if (io) {
@@ -571,6 +597,8 @@ int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 		return ret;
 	}
 	stat_add(c, &c->st.stream_ops, 1);
+	if (op == PHX_OP_READ && c->early_reads)
+		early_begin(rq);	/* this call's reference keeps it alive */
 	/* host functions never queued never drop their references */
 	rq_piece_done_n(rq, (int)(rq->nstages + 1) - queued + 1);
 	return 0;
@@ -599,49 +627,253 @@ void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n)
 }
 
 /*
- * A lane, on an arrived stream op (no lock held): read the arguments, as
- * the stream found them, and check them.  Returns 0 when the request is
- * RQ_READY for cutting, 1 when there is nothing to move (bad arguments,
- * zero length, or an error from queueing): then its rounds are released
- * empty and the result is published as they go.
+ * A stream op's arguments as they are now: 0, 1 (zero length) or -errno
+ * (-EINVAL a negative offset, -EFAULT outside the allocation found at
+ * submission, -E2BIG more staging rounds than were queued).  No CUDA call.
  */
-int rq_resolve(struct cu_req *rq)
+static int args_read(const struct cu_req *rq, const struct cu_file *cf, uint64_t *devptr,
+		     uint64_t *off, uint64_t *len)
 {
 	phx_cuda *c = rq->c;
 	int64_t foff, boff;
 
-	rq_trace(rq, TR_RESOLVED);
-	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
-		goto finish;
 	if (rq->io_args) {
-		rq->devptr = rq->io->devptr;
-		rq->len = rq->io->len;
-		rq->off = rq->io->offset;
+		*devptr = rq->io->devptr;
+		*len = rq->io->len;
+		*off = rq->io->offset;
 	} else {
-		rq->len = *rq->size_p;
+		*len = *rq->size_p;
 		foff = *rq->foff_p;
 		boff = *rq->boff_p;
-		if (foff < 0 || boff < 0) {
-			rq_fail(rq, cu_err(-EINVAL, "negative file or buffer offset"));
-			goto finish;
-		}
-		rq->off = (uint64_t)foff;
-		rq->devptr = rq->base + (uint64_t)boff;
+		if (foff < 0 || boff < 0)
+			return -EINVAL;
+		*off = (uint64_t)foff;
+		*devptr = rq->base + (uint64_t)boff;
 	}
-	if (!rq->len)
+	if (!*len)
+		return 1;
+	if (*devptr < rq->alloc_lo || *devptr + *len > rq->alloc_hi || *devptr + *len < *devptr)
+		return -EFAULT;
+	if ((align_up(*off + *len, cf->align) - align_down(*off, cf->align) +
+	     c->cfg.buf_size - 1) / c->cfg.buf_size > rq->nstages)
+		return -E2BIG;
+	return 0;
+}
+
+/* The file's size and change time (early reads' guard against other writers). */
+static bool file_stamp(const struct cu_file *cf, int64_t *size, int64_t *ctime_ns)
+{
+	struct stat stb;
+
+	if (fstat(cf->fd, &stb))
+		return false;
+	*size = (int64_t)stb.st_size;
+	*ctime_ns = (int64_t)stb.st_ctim.tv_sec * 1000000000 + stb.st_ctim.tv_nsec;
+	return true;
+}
+
+/*
+ * Early reads: right after queueing, take the arguments as they are now and
+ * let lanes cut and read pieces of them (c->early_head) while the stream is
+ * still busy.  Not when the stream got there already (the arrival takes
+ * c->lock to say so), nor when a write on the file is in flight through
+ * this context: it may be ordered before.
+ */
+static void early_begin(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	uint64_t devptr, off, len;
+	int64_t size, ctime_ns;
+	struct cu_file *cf;
+	bool ok;
+
+	/*
+	 * Once the stream got there the request may finish, and its caller and
+	 * file may go, at any moment: the arguments are read, and the file is
+	 * taken, while it is still waiting (its arrival takes c->lock).
+	 */
+	pthread_mutex_lock(&c->lock);
+	if (rq->state != RQ_WAITING || args_read(rq, rq->cf, &devptr, &off, &len) != 0) {
+		pthread_mutex_unlock(&c->lock);
+		return;
+	}
+	cf = rq->cf;
+	cf->refs++;
+	pthread_mutex_unlock(&c->lock);
+	ok = file_stamp(cf, &size, &ctime_ns);
+	pthread_mutex_lock(&c->lock);
+	if (!ok || rq->state != RQ_WAITING || cf->writes_live ||
+	    __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
+		pthread_mutex_unlock(&c->lock);
+		cf_put(c, cf);
+		return;
+	}
+	rq->e_size = size;
+	rq->e_ctime_ns = ctime_ns;
+	rq->devptr = devptr;
+	rq->off = off;
+	rq->len = len;
+	rq->end = off + len;
+	rq->cursor = off;
+	rq->e_state = E_PENDING;
+	rq->e_gen = rq->cf->write_gen;
+	rq->e_queued = true;
+	rq->e_next = NULL;
+	if (c->early_tail)
+		c->early_tail->e_next = rq;
+	else
+		c->early_head = rq;
+	c->early_tail = rq;
+	pthread_mutex_unlock(&c->lock);
+	cf_put(c, cf);
+	lanes_wake(c, (uint32_t)min_u64(c->nlanes, len / c->cfg.buf_size + 1));
+}
+
+/* Off c->early_head (c->lock held). */
+void rq_early_unlink_locked(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	struct cu_req **pp, *prev = NULL;
+
+	if (!rq->e_queued)
+		return;
+	for (pp = &c->early_head; *pp; prev = *pp, pp = &(*pp)->e_next) {
+		if (*pp == rq) {
+			*pp = rq->e_next;
+			if (c->early_tail == rq)
+				c->early_tail = prev;
+			break;
+		}
+	}
+	rq->e_queued = false;
+	rq->e_next = NULL;
+}
+
+/* Forget the early pieces (none holds a buffer any more): an ordinary op. */
+static void early_reset_locked(struct cu_req *rq)
+{
+	uint32_t k;
+
+	rq->e_state = E_NONE;
+	rq->e_cut = false;
+	rq->stage_next = 0;
+	rq->prefix = 0;
+	for (k = 0; k < rq->nstages; k++) {
+		rq->stages[k].b = NULL;
+		rq->stages[k].ready = false;
+		rq->stages[k].gpu_done = 0;
+	}
+}
+
+/*
+ * The last early buffer of a request judged E_BAD came back (c->lock
+ * held): it arrives again, at the head of the ready queue, as an ordinary
+ * stream op; the caller wakes a lane.
+ */
+void rq_early_restart_locked(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+
+	early_reset_locked(rq);
+	rq->state = RQ_ARRIVED;
+	rq->next = c->ready_head;
+	c->ready_head = rq;
+	if (!c->ready_tail)
+		c->ready_tail = rq;
+}
+
+/*
+ * The stream reached an early read: judge its early pieces.  Returns 0 when
+ * it is RQ_READY with pieces left to cut, 1 when the caller has nothing to
+ * do with it (every piece already cut, or thrown-away pieces still coming
+ * back: the last one restarts it), 2 when it is an ordinary op again now.
+ */
+static int early_settle(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	uint64_t devptr = 0, off = 0, len = 0;
+	int64_t size = -1, ctime_ns = -1;
+	bool ok, kick;
+	int ret;
+
+	ret = args_read(rq, rq->cf, &devptr, &off, &len);
+	ok = ret == 0 && devptr == rq->devptr && off == rq->off && len == rq->len &&
+	     !__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE) &&
+	     file_stamp(rq->cf, &size, &ctime_ns) && size == rq->e_size &&
+	     ctime_ns == rq->e_ctime_ns;
+	pthread_mutex_lock(&c->lock);
+	rq_early_unlink_locked(rq);
+	ok = ok && rq->cf->write_gen == rq->e_gen;
+	rq->e_state = ok ? E_OK : E_BAD;
+	kick = rq->e_live > 0;
+	if (!ok) {
+		if (!rq->e_live)
+			early_reset_locked(rq);
+		pthread_mutex_unlock(&c->lock);
+		stat_add(c, &c->st.early_misses, 1);
+		if (kick)
+			lanes_kick(c);
+		return kick ? 1 : 2;
+	}
+	if (rq->e_cut) {
+		rq->state = RQ_CUT;
+		rq_stages_cut_done_locked(rq);
+	} else {
+		rq->state = RQ_READY;
+	}
+	pthread_mutex_unlock(&c->lock);
+	stat_add(c, &c->st.early_reads, 1);
+	if (kick)
+		lanes_kick(c);		/* their held rounds can go to the GPU */
+	if (!rq->e_cut)
+		return 0;
+	rq_stages_advance(rq);
+	rq_piece_done_ref(rq);		/* the cutting reference */
+	return 1;
+}
+
+/*
+ * A lane, on an arrived stream op (no lock held): read the arguments, as
+ * the stream found them, and check them.  Returns 0 when the request is
+ * RQ_READY for cutting, 1 when there is nothing to move (bad arguments,
+ * zero length, or an error from queueing): then its rounds are released
+ * empty and the result is published as they go; 1 also for an early read
+ * that needs nothing more from the caller (see early_settle()).
+ */
+int rq_resolve(struct cu_req *rq)
+{
+	phx_cuda *c = rq->c;
+	uint64_t devptr = 0, off = 0, len = 0;
+	int ret;
+
+	rq_trace(rq, TR_RESOLVED);
+	if (rq->e_state == E_PENDING) {
+		ret = early_settle(rq);
+		if (ret < 2)
+			return ret;
+	}
+	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
 		goto finish;
-	/* no CUDA call here: the allocation was looked up at submission */
-	if (rq->devptr < rq->alloc_lo || rq->devptr + rq->len > rq->alloc_hi ||
-	    rq->devptr + rq->len < rq->devptr) {
+	ret = args_read(rq, rq->cf, &devptr, &off, &len);
+	rq->devptr = devptr;
+	rq->off = off;
+	rq->len = len;
+	switch (ret) {
+	case 0:
+		break;
+	case 1:
+		goto finish;
+	case -EINVAL:
+		rq_fail(rq, cu_err(-EINVAL, "negative file or buffer offset"));
+		goto finish;
+	case -EFAULT:
 		rq_fail(rq, cu_err(-EFAULT, "0x%llx + %llu is outside the GPU allocation (0x%llx..0x%llx) found when the operation was queued",
-				   (unsigned long long)rq->devptr, (unsigned long long)rq->len,
+				   (unsigned long long)devptr, (unsigned long long)len,
 				   (unsigned long long)rq->alloc_lo, (unsigned long long)rq->alloc_hi));
 		goto finish;
-	}
-	if ((align_up(rq->off + rq->len, rq->cf->align) - align_down(rq->off, rq->cf->align) +
-	     c->cfg.buf_size - 1) / c->cfg.buf_size > rq->nstages) {
+	default:
 		rq_fail(rq, cu_err(-EINVAL, "the size grew to %llu after queueing: more staging rounds than were queued (%u)",
-				   (unsigned long long)rq->len, rq->nstages));
+				   (unsigned long long)len, rq->nstages));
 		goto finish;
 	}
 	rq->end = rq->off + rq->len;
@@ -985,6 +1217,7 @@ static void rq_publish(struct cu_req *rq)
 	stat_add(c, &c->st.direct_bytes, rq->direct_bytes);
 	stat_add(c, &c->st.bounce_bytes, rq->bounce_bytes);
 	stat_add(c, &c->st.buffered_bytes, rq->buffered_bytes);
+	write_untrack(rq);
 	cf_put(c, rq->cf);
 	rq->cf = NULL;
 }
@@ -998,6 +1231,7 @@ static void rq_release(struct cu_req *rq)
 	rq->state = RQ_DONE;
 	if (rq->owned)
 		free(rq->io);
+	write_untrack(rq);		/* abandoned before it was published */
 	if (rq->cf)
 		cf_put(c, rq->cf);
 	after_put(c, rq->after);

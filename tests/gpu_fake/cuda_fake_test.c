@@ -536,6 +536,80 @@ static void test_stream_churn(phx_cuda *c, phx_engine *eng, void *s)
 }
 
 /*
+ * Early reads (PHX_CUDA_EARLY_READS): reads queued behind a busy stream do
+ * their file I/O before it arrives and are right; one whose arguments change
+ * after queueing, one after a write queued on the file, and one whose file
+ * is truncated meanwhile are read again when it arrives (early_misses) and
+ * are right too.  Unaligned sizes and offsets, several rounds each.
+ */
+static void test_early_reads(phx_engine *eng, void *s)
+{
+	enum { N = 24 };
+	phx_cuda *c = ctx(eng, 3, 4, 128 * KiB, PHX_CUDA_EARLY_READS);
+	size_t fsize = 6 * MiB + 333, size[N], wsize = 70001, tsize = 300000;
+	unsigned char *data = make_file("early.bin", fsize);
+	int64_t foff[N], boff[N], done[N], woff = 5000, wb = 0, wdone = -1, toff = 1, tb = 0;
+	int64_t tdone = -1;
+	struct phx_cuda_stats st;
+	uint64_t buf, src, misses;
+	phx_file *f;
+	int i, bad = 0;
+
+	phx_file_open(eng, path_of("early.bin"), O_RDWR, 0, 0, &f);
+	MemAlloc(&buf, (size_t)N * 200 * KiB);
+	MemAlloc(&src, wsize);
+	fill_random(dev(src), wsize);
+	/* 1: plain reads behind a busy stream */
+	SleepAsync(s, 100000);
+	for (i = 0; i < N; i++) {
+		size[i] = 150 * KiB + 17 * (size_t)i;
+		foff[i] = (int64_t)(i * 211 * KiB + 3 * i);
+		boff[i] = (int64_t)i * 200 * KiB + (i % 7);
+		done[i] = -1;
+		CHECK(phx_cuda_read_async(c, f, buf, &size[i], &foff[i], &boff[i], &done[i], s) == 0,
+		      "early read %d", i);
+	}
+	/* 2: one whose size and offset change before the stream gets there */
+	size[0] = 99999;
+	foff[0] = 77;
+	StreamSynchronize(s);
+	for (i = 0; i < N; i++)
+		if (done[i] != (int64_t)size[i] || memcmp(dev(buf + boff[i]), data + foff[i], size[i]))
+			bad++;
+	CHECK(!bad, "%d of %d early reads wrong", bad, N);
+	phx_cuda_stats(c, &st);
+	CHECK(st.early_reads >= N / 2, "only %" PRIu64 " early reads of %d", st.early_reads, N);
+	CHECK(st.early_misses >= 1, "the changed arguments were not caught");
+	/* 3: a write queued first on the stream: the read after it sees it */
+	SleepAsync(s, 50000);
+	CHECK(phx_cuda_write_async(c, f, src, &wsize, &woff, &wb, &wdone, s) == 0, "write");
+	size[1] = wsize;
+	foff[1] = woff;
+	CHECK(phx_cuda_read_async(c, f, buf, &size[1], &foff[1], &boff[1], &done[1], s) == 0,
+	      "read after write");
+	StreamSynchronize(s);
+	CHECK(wdone == (int64_t)wsize && done[1] == (int64_t)wsize &&
+	      !memcmp(dev(buf + boff[1]), dev(src), wsize), "read after a queued write");
+	/* 4: the file truncated while a read is queued: the read sees the new end */
+	phx_cuda_stats(c, &st);
+	misses = st.early_misses;
+	SleepAsync(s, 100000);
+	CHECK(phx_cuda_read_async(c, f, buf, &tsize, &toff, &tb, &tdone, s) == 0, "read");
+	usleep(30000);			/* let its early pieces be read */
+	CHECK(truncate(path_of("early.bin"), 200001) == 0, "truncate");
+	StreamSynchronize(s);
+	CHECK(tdone == 200000, "early read past a truncation: %" PRId64 " (want 200000)", tdone);
+	phx_cuda_stats(c, &st);
+	CHECK(st.early_misses == misses + 1, "the truncation was not caught (%" PRIu64 " misses)",
+	      st.early_misses - misses);
+	CHECK(phx_file_close(f) == 0, "close");
+	CHECK(phx_cuda_destroy(c) == 0, "destroy");
+	MemFree(buf);
+	MemFree(src);
+	free(data);
+}
+
+/*
  * A device-wide synchronisation (cudaFree, a growing allocator) in another
  * thread while stream ops wait on their streams: they must complete without
  * any CUDA call from the lanes, or the process hangs (seen on the H200 with
@@ -957,6 +1031,7 @@ int main(int argc, char **argv)
 	test_destroy_with_queued(eng);
 	test_no_memops(eng);
 	test_lane_setup_failure(eng);
+	test_early_reads(eng, s1);
 	/* every host function libphx queued returned at once */
 	CHECK(HostfnMax() < 20 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
 out:

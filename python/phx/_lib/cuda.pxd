@@ -69,6 +69,8 @@ cdef extern from "phx_cuda.h" nogil:
         uint64_t memcpy_batch_calls
         uint64_t file_adoptions
         uint64_t pinned_bytes
+        uint64_t early_reads
+        uint64_t early_misses
 
     int phx_cuda_available(char *why, size_t len)
     const char *phx_cuda_strerror_last()
