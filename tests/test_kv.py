@@ -555,7 +555,7 @@ TINY = {"layers": 3, "batch": 1, "hidden": 512, "heads": 4, "prompt": 24, "gen":
         "dtype": "float16", "threads": 2}
 
 
-@pytest.mark.parametrize("config", ["baseline", "cachepolicy", "direct", "dual"])
+@pytest.mark.parametrize("config", ["baseline", "cachepolicy", "direct", "dual", "dual-nowb"])
 def test_bench_worker_replay(tmp_path, config):
     from phx.bench._kv_worker import run_worker
     res = run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
@@ -564,7 +564,7 @@ def test_bench_worker_replay(tmp_path, config):
     assert res["decode_logical_read_bytes"] == sum(6 * (24 + i) * 1024 for i in range(5))
     assert len(res["decode_step_s"]) == 5
     assert res["decode_s"] == pytest.approx(sum(res["decode_step_s"]))
-    if config == "dual":
+    if config.startswith("dual"):
         assert res["pipeline"]["choice"] in (INTRA, CROSS)
 
 

@@ -48,7 +48,6 @@ from phx.kv.pipeline import AdaptivePipeline, CopyJob
 from phx.kv.planner import PAGECACHE, place_layers
 from phx.kv.slab import round_up
 
-CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
 
 
 #: numpy has no bfloat16: its bytes are stored as 2-byte integers (the replay only
@@ -173,10 +172,12 @@ class MemmapIO:
 class StoreIO:
     """phx.kv's store (direct-only or dual-path)."""
 
-    def __init__(self, shape: Shape, d: str, mode: str, pinned: int, reserve: int | None):
+    def __init__(self, shape: Shape, d: str, mode: str, pinned: int, reserve: int | None,
+                 write_behind: bool | None = None):
         from phx.kv.store import KVStore
         self.s = shape
-        self.store = KVStore(d, mode=mode, pinned_bytes=pinned, reserve=reserve)
+        self.store = KVStore(d, mode=mode, pinned_bytes=pinned, reserve=reserve,
+                             write_behind=write_behind)
         self.t = []
         for L in range(shape.layers):
             self.t.extend(self.store.allocate(L, shape.tshape, shape.dtype))
@@ -262,13 +263,14 @@ def run_worker(c: dict) -> dict:
         io = MemmapIO(s, d, evict_from_layer=n1)
     elif cfg == "direct":
         io = StoreIO(s, d, "direct", pinned, c.get("reserve"))
-    elif cfg == "dual":
-        io = StoreIO(s, d, "dual", pinned, c.get("reserve"))
+    elif cfg in ("dual", "dual-nowb"):
+        io = StoreIO(s, d, "dual", pinned, c.get("reserve"),
+                     write_behind=False if cfg == "dual-nowb" else None)
     else:
         raise ValueError(f"unknown configuration {cfg}")
 
     strategy = c.get("strategy")                 # dual: None = adaptive
-    if cfg == "dual":
+    if cfg.startswith("dual"):
         # the store's relays (registered with phx's io_uring as fixed buffers)
         pipe = AdaptivePipeline(s.tensor_bytes, threads, strategy=strategy,
                                 relays=io.store.relays())

@@ -28,8 +28,11 @@ from phx.bench import _common
 
 MiB = 1 << 20
 CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
+# beside dual on request (--configs ...,dual-nowb): dual without its write-behind
+EXTRA_CONFIGS = ("dual-nowb",)
 LABELS = {"baseline": "Baseline (FlexLLMGen memmap)", "cachepolicy": "CachePolicy-only",
-          "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P"}
+          "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P",
+          "dual-nowb": "dual-path, no write-behind"}
 
 
 #: KV shapes of the models the bench knows (``--model``); single flags override them
@@ -161,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     fracs = [float(x) for x in args.caps.split(",") if x.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        if c not in CONFIGS:
-            print(f"unknown configuration {c!r}; choose from {CONFIGS}", file=sys.stderr)
+        if c not in CONFIGS + EXTRA_CONFIGS:
+            print(f"unknown configuration {c!r}; choose from {CONFIGS + EXTRA_CONFIGS}",
+                  file=sys.stderr)
             return 2
     root = args.dir or os.path.join("results", "kv-data")
     os.makedirs(root, exist_ok=True)
@@ -316,7 +320,7 @@ def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
                     r[key + "_spread"] = None
             steps = [s for x in runs for s in x["decode_step_s"][1:]]
             r["decode_step_s"] = _common.median_spread(steps)[0] if steps else None
-            if cfg == "dual":
+            if cfg.startswith("dual"):
                 r["pipeline_choices"] = [x["pipeline"]["choice"] for x in runs
                                          if x.get("pipeline")]
                 r["n1_layers"] = [len(x["plan"]["layers_pagecache"]) for x in runs]
@@ -335,7 +339,7 @@ def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
             pc["ratio_decode_vs_baseline"] = d.get("ratio_decode_vs_baseline")
             pc["ratio_prefill_vs_baseline"] = d.get("ratio_prefill_vs_baseline")
             others = [cap_rows[c]["decode_s"] for c in cap_rows
-                      if c != "dual" and cap_rows[c].get("decode_s")]
+                      if not c.startswith("dual") and cap_rows[c].get("decode_s")]
             if others and d.get("decode_s"):
                 pc["dual_decode_vs_best_other"] = d["decode_s"] / min(others)
         per_cap.append(pc)
@@ -348,8 +352,9 @@ def plot(rows, per_cap, path, shape, ws) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     styles = {"baseline": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
-              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D")}
-    for cfg in CONFIGS:
+              "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
+              "dual-nowb": ("tab:olive", "v")}
+    for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s")]
         if not rs:
             continue
