@@ -77,8 +77,9 @@ def test_phxdisk_through_general_copy(kvdir, mode, dev):
     d = PhxDisk(os.path.join(kvdir, mode), mode=mode, budget=budget, num_copy_threads=4,
                 relay_bytes=tb if dev == "cuda" else None,
                 write_behind=False if nowb else None)
-    # write-behind is Dual-Blade's default, never CachePolicy-only's
-    assert d.store.write_behind is (mode == "dual" and not nowb)
+    # write-behind: Dual-Blade's default under a cgroup v2 limit, never CachePolicy-only's
+    from phx.kv.store import write_behind_default
+    assert d.store.write_behind is (mode == "dual" and not nowb and write_behind_default())
     caches = [d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol) for _ in range(6)]
     assert caches[0][0].shape == (45, 16, 16) and caches[0][0].data.nbytes == tb
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))

@@ -237,6 +237,36 @@ def test_direct_reads_bypass_page_cache(tmp_path):
     st.destroy()
 
 
+@pytest.mark.parametrize("v2_limit", [True, False])
+def test_write_behind_default_follows_the_cgroup(tmp_path, monkeypatch, v2_limit):
+    """Unset, write-behind is on in dual mode only under a cgroup v2 memory limit
+    (where per-cgroup dirty throttling makes it pay), never in pagecache mode; an
+    explicit choice wins; once Group 1's file exists the store reports what it does."""
+    from phx.kv import store as store_mod
+    monkeypatch.setattr(store_mod, "write_behind_default", lambda: v2_limit)
+    st = KVStore(str(tmp_path / "d"), mode="dual", budget=1 << 30)
+    assert st.write_behind is v2_limit
+    t, _ = st.allocate(0, (64, 8, 128), np.float16)
+    st.plan()
+    monkeypatch.setattr(store_mod, "write_behind_default", lambda: not v2_limit)
+    assert st.write_behind is v2_limit and st.backend_of(t).write_behind is v2_limit
+    st.destroy()
+    assert KVStore(str(tmp_path / "p"), mode="pagecache").write_behind is False
+    assert KVStore(str(tmp_path / "x"), mode="dual", write_behind=True).write_behind is True
+    assert KVStore(str(tmp_path / "y"), mode="dual", write_behind=False).write_behind is False
+
+
+def test_write_behind_default_reads_this_box(monkeypatch):
+    """write_behind_default() is cgroup_memory()'s answer: v2 with a limit."""
+    from phx.kv import store as store_mod
+    from phx.kv.budget import CgroupLevel, CgroupMemory
+    lim = [CgroupLevel("/x", 1 << 30, 0, 0)]
+    for cg, want in ((None, False), (CgroupMemory(1, "/x", lim), False),
+                     (CgroupMemory(2, "/x", []), False), (CgroupMemory(2, "/x", lim), True)):
+        monkeypatch.setattr(store_mod, "cgroup_memory", lambda cg=cg: cg)
+        assert store_mod.write_behind_default() is want, cg
+
+
 @pytest.mark.parametrize("behind", [True, False])
 def test_group1_write_behind(fs_dir, behind):
     """With ``write_behind``, right after a large Group 1 write none of its
@@ -247,10 +277,8 @@ def test_group1_write_behind(fs_dir, behind):
     _need_cachestat()
     rng = np.random.default_rng(11)
     shape = (600, 8, 128)                             # 1.2 MiB, 2 KiB rows
-    st = KVStore(fs_dir, mode="dual", budget=1 << 30, write_behind=None if behind else False)
-    # on by default in dual mode only: CachePolicy-only is the paper's, as it is
+    st = KVStore(fs_dir, mode="dual", budget=1 << 30, write_behind=behind)
     assert st.write_behind is behind
-    assert KVStore(os.path.join(fs_dir, "cp"), mode="pagecache").write_behind is False
     t, _ = st.allocate(0, shape, np.float16)
     st.plan()
     assert t.group == PAGECACHE

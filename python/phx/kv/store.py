@@ -24,7 +24,7 @@ import numpy as np
 
 from phx.kv import _sys
 from phx.kv.nvme_backend import from_env as nvme_from_env
-from phx.kv.budget import Budget, MiB, measure_budget
+from phx.kv.budget import Budget, MiB, cgroup_memory, measure_budget
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
 from phx.kv.slab import DirectBackend, Extent, PageCacheBackend, SlabBackend, round_up
 
@@ -156,6 +156,20 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def write_behind_default() -> bool:
+    """Dual-Blade's write-behind where it pays: under a cgroup v2 memory limit.
+
+    There the cgroup's own dirty limit (a fraction of its memory) throttles the
+    writer and reclaim under the cap waits for dirty pages' writeback: on the
+    H200 (cgroup v2) every page-cache configuration had 1-2.4 s stalls in decode
+    or prefill without it and Dual-Blade none with it.  cgroup v1 has no
+    per-cgroup dirty accounting: on the dev box (v1) it only cost prefill time
+    (docs/kv.md, "Write-behind").
+    """
+    cg = cgroup_memory()
+    return cg is not None and cg.version == 2 and cg.binding is not None
+
+
 class KVStore:
     """Per-layer K/V offload store over the page-cache and direct paths.
 
@@ -180,9 +194,9 @@ class KVStore:
             (e.g. one pool kept over several stores); not closed by :meth:`destroy`.
         write_behind: start the writeback of each page-cache write of at least
             :data:`~phx.kv.slab.WRITE_BEHIND_MIN` bytes at once, so Group 1 stays
-            cached but clean.  ``None`` (the default): on in ``dual`` mode, off in
-            ``pagecache`` (CachePolicy-only: the paper's configuration, kept); see
-            docs/kv.md, "Write-behind", for what it changed on the H200.
+            cached but clean.  ``None`` (the default): :func:`write_behind_default`
+            in ``dual`` mode, decided when Group 1's file is made; off in
+            ``pagecache`` mode (CachePolicy-only: the paper's configuration, kept).
     """
 
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
@@ -196,7 +210,7 @@ class KVStore:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.mode = mode
-        self.write_behind = mode == "dual" if write_behind is None else bool(write_behind)
+        self._write_behind = write_behind
         self.budget_override = budget
         self.reserve = reserve
         self.pinned_bytes = pinned_bytes
@@ -336,6 +350,15 @@ class KVStore:
     @property
     def last_plan(self) -> Plan | None:
         return self._last_plan
+
+    @property
+    def write_behind(self) -> bool:
+        """Whether Group 1's writes are written behind (see the constructor)."""
+        if self._pc is not None:
+            return self._pc.write_behind
+        if self._write_behind is not None:
+            return bool(self._write_behind)
+        return self.mode == "dual" and write_behind_default()
 
     def _pagecache(self) -> PageCacheBackend:
         if self._pc is None:
