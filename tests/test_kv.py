@@ -237,6 +237,27 @@ def test_direct_reads_bypass_page_cache(tmp_path):
     st.destroy()
 
 
+def test_write_behind_thread_counts_failures_and_stops():
+    """The write-behind thread: a failing sync_file_range (a pipe: ESPIPE) is counted,
+    not raised into the writer; wait() returns once everything queued was tried;
+    close() stops the thread before the fd goes, and twice is harmless."""
+    from phx.kv.slab import _WriteBehind
+    r, w = os.pipe()
+    try:
+        wb = _WriteBehind(w, "pipe")
+        for i in range(5):
+            wb.submit(i << 20, 1 << 20)
+        wb.wait()
+        assert wb.errors == 5 and wb.last_error is not None
+        t = wb._thread
+        wb.close()
+        assert t is not None and not t.is_alive()
+        wb.close()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 @pytest.mark.parametrize("v2_limit", [True, False])
 def test_write_behind_default_follows_the_cgroup(tmp_path, monkeypatch, v2_limit):
     """Unset, write-behind is on in dual mode only under a cgroup v2 memory limit

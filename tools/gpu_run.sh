@@ -81,6 +81,7 @@ chunks() {
 }
 
 probe() {	# stream-ordered ops timed one by one (tools/stream_probe.py), zram then disk
+	# (PHX_CUDA_EARLY_READS=1 bash tools/gpu_run.sh build probe: the same with early reads)
 	log probe
 	local id
 	id=$(zram_up 6G)

@@ -9,8 +9,8 @@
 #   tools/lmcache_gpu_run.sh chunks    build, full chunk benchmark, disk and zram (~5 min)
 #   tools/lmcache_gpu_run.sh replay    build, full replay on zram, short on disk (~5 min)
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
-#                                      bench-mid bench-full replay-mid replay-full replay-disk
-#                                      replay-seed (the seed's token counts, ~6 min)
+#                                      bench-mid bench-mid-early bench-full replay-mid replay-full
+#                                      replay-disk replay-seed (the seed's token counts, ~6 min)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -78,6 +78,9 @@ step() {
 		--token-scale 0.0625 --concurrency 1,2,4,8 ;;
 	bench-mid) bench bench-mid --mode chunks --chunks 32 --latency-chunks 8 --repeat 3 \
 		--zram 4G ;;
+	# the same with libphx's early reads on (docs/gpu.md, "Early reads"): only phx's rows change
+	bench-mid-early) PHX_CUDA_EARLY_READS=1 bench bench-mid-early --mode chunks --chunks 32 \
+		--latency-chunks 8 --repeat 3 --zram 4G ;;
 	bench-full) bench bench-full --mode chunks --chunks 128 --latency-chunks 32 --repeat 3 \
 		--zram 20G ;;
 	replay-full) bench replay-full --mode replay --no-disk --zram 16G --sessions 6 --rounds 30 \
