@@ -141,3 +141,49 @@ def test_slab_on_xfs(fake_libcuda, tmp_path, early):
         _umount(mnt)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 4, r.stdout
+
+
+_CLAIM_CHILD = r"""
+import ctypes, os, sys
+import phx_lmcache
+lib = ctypes.CDLL(phx_lmcache.library_path())
+assert lib.phxFileDriverOpen() == 0
+path = sys.argv[1]
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+os.ftruncate(fd, 1 << 20)
+fh, fh2 = ctypes.c_void_p(), ctypes.c_void_p()
+rc = lib.phxFileHandleRegister(ctypes.byref(fh), fd)
+print("rc", rc, flush=True)
+if rc == 0:
+    # the same process may register its slab twice
+    print("again", lib.phxFileHandleRegister(ctypes.byref(fh2), fd), flush=True)
+    sys.stdin.readline()                # held until the parent says so
+    lib.phxFileHandleDeregister(fh2)
+    lib.phxFileHandleDeregister(fh)
+os.close(fd)
+lib.phxFileDriverClose()
+"""
+
+
+def test_slab_claimed_by_one_process(fake_libcuda, tmp_path):
+    """Two GPU processes given one slab path (LMCache opens it with O_TRUNC, so they
+    would wipe each other's KV): the second process's registration is -EBUSY, naming
+    the holder, and works once the first has let go; one process may register twice."""
+    import errno
+    import subprocess
+    env = support.child_env(SITE, LD_LIBRARY_PATH=str(fake_libcuda), PHX_CUDA_LANES="2")
+    slab = str(tmp_path / "lmcache_gds_slab.bin")
+    argv = [sys.executable, "-W", "ignore", "-c", _CLAIM_CHILD, slab]
+    a = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout.readline().split() == ["rc", "0"]
+        assert a.stdout.readline().split() == ["again", "0"]
+        b = subprocess.run(argv, env=env, input="", capture_output=True, text=True, timeout=120)
+        assert b.stdout.split()[:2] == ["rc", str(-errno.EBUSY)], b.stdout + b.stderr
+        assert f"in use by process {a.pid}" in b.stderr, b.stderr
+    finally:
+        a.communicate("go\n", timeout=120)
+    assert a.returncode == 0
+    c = subprocess.run(argv, env=env, input="\n", capture_output=True, text=True, timeout=120)
+    assert c.stdout.split()[:2] == ["rc", "0"], c.stdout + c.stderr

@@ -13,6 +13,15 @@
  * Deregistration with transfers in flight waits for them (they always
  * complete once queued) up to PF_DEREG_WAIT_NS; then -EBUSY, and the
  * handle stays registered and usable.
+ *
+ * One slab per process: LMCache opens its slab with O_TRUNC, so two GPU
+ * processes given the same path would wipe each other's KV without a word.
+ * A registration takes a POSIX write lock on the file's first byte (per
+ * process, so one process may register a file twice); another process's
+ * registration of the same file is -EBUSY, naming the holder.  Advisory:
+ * it stops nobody's I/O, and it lapses once this process closes any fd of
+ * the file (POSIX lock semantics).  Where the file cannot be locked (opened
+ * read-only, a filesystem without locks) nothing is enforced.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -119,6 +128,22 @@ static struct pf_handle *handle_new(int fd, int *err)
 	return h;
 }
 
+/* The slab's process claim (see above): 0, or -EBUSY with *@holder set. */
+static int claim(struct pf_handle *h, pid_t *holder)
+{
+	struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1 };
+
+	*holder = 0;
+	if (fcntl(h->fd, F_SETLK, &fl) == 0)
+		return 0;
+	if (errno != EACCES && errno != EAGAIN)
+		return 0;		/* not lockable here: not enforced */
+	fl.l_type = F_WRLCK;
+	if (fcntl(h->fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK)
+		*holder = fl.l_pid;
+	return -EBUSY;
+}
+
 static void handle_free(struct pf_handle *h)
 {
 	h->magic = 0;
@@ -130,6 +155,7 @@ PF_EXPORT int phxFileHandleRegister(void **fh, int fd)
 {
 	struct pf_driver *d = pf_drv();
 	struct pf_handle *h;
+	pid_t holder;
 	int ret = 0;
 
 	if (!fh)
@@ -143,6 +169,16 @@ PF_EXPORT int phxFileHandleRegister(void **fh, int fd)
 	h = handle_new(fd, &ret);
 	if (!h)
 		return pf_submit_fail(d, ret, NULL, "phxFileHandleRegister (dup)");
+	if (claim(h, &holder)) {
+		char path[PATH_MAX], what[128];
+
+		snprintf(path, sizeof(path), "%s", h->path);
+		snprintf(what, sizeof(what),
+			 "phxFileHandleRegister (slab in use by process %d: one slab path per GPU process)",
+			 (int)holder);
+		handle_free(h);
+		return pf_submit_fail(d, -EBUSY, path, what);
+	}
 	pthread_mutex_lock(&d->setup);
 	ret = pf_get_setup(d);
 	if (!ret) {
