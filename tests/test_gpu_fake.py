@@ -125,6 +125,22 @@ PY_CHECK = textwrap.dedent(r"""
         assert (v[17:] == data[4099:4099 + 123457]).all()
         st = ctx.stats()
         assert st["memcpy_calls"] < n // 4, st
+        assert st["early_reads"] == 0, st          # off unless asked for
+        # early reads asked for through the Python layer: reads behind a busy stream
+        ectx = cuda.Context(eng, 0, lanes=2, bufs_per_lane=2, buf_size=256 << 10,
+                            early_reads=True)
+        assert ectx.config["early_reads"] is True
+        eargs = [np.array([5000 + i, 77 * i, 6000 * i, -1], dtype=np.int64) for i in range(8)]
+        lib.fake_sleep_async(s, ctypes.c_ulong(100000))
+        for a in eargs:
+            ectx.stream_deferred(f._c_file, buf, a.ctypes.data, False, s.value)
+        lib.cuStreamSynchronize(s)
+        v = view(buf, 6000 * 8)
+        for i, a in enumerate(eargs):
+            assert a[3] == 5000 + i, a
+            assert (v[6000 * i:6000 * i + 5000 + i] == data[77 * i:77 * i + 5000 + i]).all(), i
+        assert ectx.stats()["early_reads"] >= 4, ectx.stats()
+        ectx.close()
     ctx.close()
     print("python ok")
 """)

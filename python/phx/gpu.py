@@ -202,7 +202,7 @@ def _stream_handle(stream, view: _View | None = None) -> int:
 def context(engine=None, device: int = 0, **config):
     """The staging context of ``engine`` (default: phx's default engine) on
     ``device``, created on first use.  ``config`` (lanes, bufs_per_lane,
-    buf_size, max_io_size, memops, batch_copy, fixed_bufs) applies when it
+    buf_size, max_io_size, memops, batch_copy, fixed_bufs, early_reads) applies when it
     is created, over the environment and the tuned defaults; pass
     ``_new=True`` to get a private one with these settings.
 

@@ -18,6 +18,7 @@ cdef extern from "phx_cuda.h" nogil:
         PHX_CUDA_NO_MEMOPS
         PHX_CUDA_NO_FIXED_BUFS
         PHX_CUDA_NO_BATCH_COPY
+        PHX_CUDA_EARLY_READS
         PHX_CUDA_FEAT_MEMOPS
         PHX_CUDA_FEAT_BATCH_COPY
         PHX_CUDA_FEAT_FIXED_BUFS

@@ -81,6 +81,7 @@ cdef dict _cfg_dict(phx_cuda_config *cfg):
         "memops": not (cfg.flags & PHX_CUDA_NO_MEMOPS),
         "batch_copy": not (cfg.flags & PHX_CUDA_NO_BATCH_COPY),
         "fixed_bufs": not (cfg.flags & PHX_CUDA_NO_FIXED_BUFS),
+        "early_reads": bool(cfg.flags & PHX_CUDA_EARLY_READS),
     }
 
 
@@ -250,7 +251,7 @@ cdef class Context:
 
     def __cinit__(self, engine, int device=0, lanes=None, bufs_per_lane=None,
                   buf_size=None, max_io_size=None, memops=None, batch_copy=None,
-                  fixed_bufs=None):
+                  fixed_bufs=None, early_reads=None):
         cdef phx_cuda_config cfg
         cdef phx_engine *e = NULL
         cdef int rc
@@ -274,6 +275,9 @@ cdef class Context:
         if fixed_bufs is not None:
             cfg.flags = (cfg.flags & ~PHX_CUDA_NO_FIXED_BUFS) if fixed_bufs else \
                 (cfg.flags | PHX_CUDA_NO_FIXED_BUFS)
+        if early_reads is not None:     # an experiment: docs/gpu.md, "Early reads"
+            cfg.flags = (cfg.flags | PHX_CUDA_EARLY_READS) if early_reads else \
+                (cfg.flags & ~PHX_CUDA_EARLY_READS)
         if engine is not None:
             e = <phx_engine *><uintptr_t>engine._c_engine
         with nogil:
