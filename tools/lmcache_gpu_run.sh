@@ -64,6 +64,8 @@ bench() {	# $1 name, then phx bench lmcache options
 		grep --line-buffered -v "GDSContext: registered" | tee -a "$LOG" | tail -60
 }
 
+MID="--mode chunks --chunks 32 --latency-chunks 8 --repeat 3 --zram 4G"
+
 step() {
 	case $1 in
 	setup) setup ;;
@@ -76,11 +78,9 @@ step() {
 		--zram 4G ;;
 	replay-small) bench replay-small --mode replay --no-disk --zram 8G --sessions 2 --rounds 8 \
 		--token-scale 0.0625 --concurrency 1,2,4,8 ;;
-	bench-mid) bench bench-mid --mode chunks --chunks 32 --latency-chunks 8 --repeat 3 \
-		--zram 4G ;;
+	bench-mid) bench bench-mid $MID ;;
 	# the same with libphx's early reads on (docs/gpu.md, "Early reads"): only phx's rows change
-	bench-mid-early) PHX_CUDA_EARLY_READS=1 bench bench-mid-early --mode chunks --chunks 32 \
-		--latency-chunks 8 --repeat 3 --zram 4G ;;
+	bench-mid-early) PHX_CUDA_EARLY_READS=1 bench bench-mid-early $MID ;;
 	bench-full) bench bench-full --mode chunks --chunks 128 --latency-chunks 32 --repeat 3 \
 		--zram 20G ;;
 	replay-full) bench replay-full --mode replay --no-disk --zram 16G --sessions 6 --rounds 30 \

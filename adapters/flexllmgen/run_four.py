@@ -221,6 +221,7 @@ def worker(conf: dict, out: str | None = None) -> dict:
         src[:] = np.frombuffer(os.urandom(src.nbytes), np.uint8)
         res["calibration"] = calibrate(shape, os.path.join(root, "cal"), src, 2)
 
+    from phx.bench._common import drop_caches
     base = conf["base_cgroup"]
     for frac in conf["caps"]:
         d = os.path.join(root, f"cap{frac}")
@@ -238,7 +239,6 @@ def worker(conf: dict, out: str | None = None) -> dict:
         # every cap starts clean: the previous cap's KV (deleted below) written back
         # and its pages gone, so no writeback or journal commit of it lands in this
         # cap's timing (same for every configuration, outside the timed part)
-        from phx.bench._common import drop_caches
         clean = drop_caches()
         val, info = run_capped(f"phx-flex-{os.getpid()}-{cfg}-{int(frac * 100)}", limit, base,
                                gen)

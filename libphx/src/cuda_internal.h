@@ -284,6 +284,8 @@ void rq_trace(struct cu_req *rq, int pt);
 void rq_stage_written(struct cu_stage *st, struct cu_piece *p);
 void rq_stages_cut_done_locked(struct cu_req *rq);
 void rq_early_unlink_locked(struct cu_req *rq);
+void ready_push_tail_locked(phx_cuda *c, struct cu_req *rq);
+void ready_push_head_locked(phx_cuda *c, struct cu_req *rq);
 void rq_early_restart_locked(struct cu_req *rq);
 struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
 void cf_put(phx_cuda *c, struct cu_file *cf);

@@ -179,10 +179,7 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 		pthread_mutex_unlock(&c->lock);
 		if (rq_resolve(rq) == 0) {
 			pthread_mutex_lock(&c->lock);
-			rq->next = c->ready_head;
-			c->ready_head = rq;
-			if (!c->ready_tail)
-				c->ready_tail = rq;
+			ready_push_head_locked(c, rq);
 			pthread_mutex_unlock(&c->lock);
 			if (rq->len > c->cfg.buf_size)
 				lanes_wake(c, (uint32_t)(rq->len / c->cfg.buf_size));
@@ -578,9 +575,9 @@ static bool early_piece_whole(const struct cu_piece *p)
 /*
  * An early round whose file I/O is done: held until its request is judged;
  * then used (a short or failed early read is read again, in order) or given
- * back.
+ * back.  False while it is still held.
  */
-static void early_round(struct cu_lane *ln, struct cu_sbuf *b)
+static bool early_round(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	phx_cuda *c = ln->c;
 	struct cu_req *rq = b->stage->rq;
@@ -597,38 +594,25 @@ static void early_round(struct cu_lane *ln, struct cu_sbuf *b)
 	}
 	pthread_mutex_unlock(&c->lock);
 	if (s == E_PENDING)
-		return;
-	if (s != E_OK) {
+		return false;
+	if (s != E_OK)
 		early_release(ln, b);
-		return;
-	}
-	if (early_piece_whole(&b->pieces[0]))
+	else if (early_piece_whole(&b->pieces[0]))
 		round_io_done(ln, b);
 	else
 		buf_start_io(ln, b);
+	return true;
 }
 
 /* Held early rounds whose requests were judged. */
 static bool lane_held(struct cu_lane *ln)
 {
-	phx_cuda *c = ln->c;
 	bool any = false;
 	uint32_t i;
 
-	for (i = 0; i < ln->nbufs; i++) {
-		struct cu_sbuf *b = &ln->bufs[i];
-		uint8_t s;
-
-		if (b->state != SB_HELD)
-			continue;
-		pthread_mutex_lock(&c->lock);
-		s = b->stage->rq->e_state;
-		pthread_mutex_unlock(&c->lock);
-		if (s == E_PENDING)
-			continue;
-		any = true;
-		early_round(ln, b);
-	}
+	for (i = 0; i < ln->nbufs; i++)
+		if (ln->bufs[i].state == SB_HELD)
+			any |= early_round(ln, &ln->bufs[i]);
 	return any;
 }
 

@@ -259,6 +259,36 @@ static void live_inc(phx_cuda *c)
 	pthread_mutex_unlock(&c->done_lock);
 }
 
+/* The ready queue (c->lock held): arrivals and new work at the tail... */
+void ready_push_tail_locked(phx_cuda *c, struct cu_req *rq)
+{
+	rq->next = NULL;
+	if (c->ready_tail)
+		c->ready_tail->next = rq;
+	else
+		c->ready_head = rq;
+	c->ready_tail = rq;
+}
+
+/* ...and a request a lane goes on cutting (or restarts) back at the head. */
+void ready_push_head_locked(phx_cuda *c, struct cu_req *rq)
+{
+	rq->next = c->ready_head;
+	c->ready_head = rq;
+	if (!c->ready_tail)
+		c->ready_tail = rq;
+}
+
+/* The byte range a stream op moves, once its arguments are read. */
+static void rq_set_range(struct cu_req *rq, uint64_t devptr, uint64_t off, uint64_t len)
+{
+	rq->devptr = devptr;
+	rq->off = off;
+	rq->len = len;
+	rq->end = off + len;
+	rq->cursor = off;
+}
+
 /* A write accepted on @rq->cf: early reads of the file stand back (c->lock). */
 static void write_track_locked(struct cu_req *rq)
 {
@@ -330,11 +360,7 @@ int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
 	io->done = 0;
 	io->result = 0;
 	rq->io = io;
-	rq->devptr = io->devptr;
-	rq->off = io->offset;
-	rq->len = io->len;
-	rq->end = rq->off + rq->len;
-	rq->cursor = rq->off;
+	rq_set_range(rq, io->devptr, io->offset, io->len);
 	if (after) {
 		__atomic_add_fetch(&after->refs, 1, __ATOMIC_RELAXED);
 		rq->after = after;
@@ -385,12 +411,7 @@ static void arrive_fn(void *arg)
 
 	pthread_mutex_lock(&c->lock);
 	rq->state = RQ_ARRIVED;
-	rq->next = NULL;
-	if (c->ready_tail)
-		c->ready_tail->next = rq;
-	else
-		c->ready_head = rq;
-	c->ready_tail = rq;
+	ready_push_tail_locked(c, rq);
 	pthread_mutex_unlock(&c->lock);
 	lanes_wake(c, 1);
 }
@@ -614,12 +635,7 @@ void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n)
 		return;
 	pthread_mutex_lock(&c->lock);
 	for (i = 0; i < n; i++) {
-		rqs[i]->next = NULL;
-		if (c->ready_tail)
-			c->ready_tail->next = rqs[i];
-		else
-			c->ready_head = rqs[i];
-		c->ready_tail = rqs[i];
+		ready_push_tail_locked(c, rqs[i]);
 		bytes += rqs[i]->len;
 	}
 	pthread_mutex_unlock(&c->lock);
@@ -710,11 +726,7 @@ static void early_begin(struct cu_req *rq)
 	}
 	rq->e_size = size;
 	rq->e_ctime_ns = ctime_ns;
-	rq->devptr = devptr;
-	rq->off = off;
-	rq->len = len;
-	rq->end = off + len;
-	rq->cursor = off;
+	rq_set_range(rq, devptr, off, len);
 	rq->e_state = E_PENDING;
 	rq->e_gen = rq->cf->write_gen;
 	rq->e_queued = true;
@@ -776,10 +788,7 @@ void rq_early_restart_locked(struct cu_req *rq)
 
 	early_reset_locked(rq);
 	rq->state = RQ_ARRIVED;
-	rq->next = c->ready_head;
-	c->ready_head = rq;
-	if (!c->ready_tail)
-		c->ready_tail = rq;
+	ready_push_head_locked(c, rq);
 }
 
 /*
@@ -855,9 +864,7 @@ int rq_resolve(struct cu_req *rq)
 	if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
 		goto finish;
 	ret = args_read(rq, rq->cf, &devptr, &off, &len);
-	rq->devptr = devptr;
-	rq->off = off;
-	rq->len = len;
+	rq_set_range(rq, devptr, off, len);
 	switch (ret) {
 	case 0:
 		break;
@@ -876,8 +883,6 @@ int rq_resolve(struct cu_req *rq)
 				   (unsigned long long)len, rq->nstages));
 		goto finish;
 	}
-	rq->end = rq->off + rq->len;
-	rq->cursor = rq->off;
 	rq->state = RQ_READY;
 	return 0;
 finish:
