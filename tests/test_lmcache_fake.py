@@ -30,7 +30,7 @@ import support  # noqa: E402
 
 SITE = support.lmcache_site()
 CHECKS = ["driver_refcount", "loaded_is_ours", "roundtrip_chunks", "deferred_arguments",
-          "work_after_read_sees_data", "threads_and_streams", "unregistered_buffer",
+          "early_reads", "work_after_read_sees_data", "threads_and_streams", "unregistered_buffer",
           "enospc", "closed_fd", "registration_rules", "close_with_io_in_flight"]
 pytestmark = [
     pytest.mark.skipif(not support.phx_lmcache_installed(),
@@ -121,26 +121,41 @@ def test_failure_logged_once_per_errno_and_file(results):
     assert "errno 28" in lines[0] and "lmcache_gds_slab.bin" in lines[0]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["", "early-reads"])
+@pytest.mark.parametrize("early", [True, False], ids=["", "no-early-reads"])
 def test_slab_on_xfs(fake_libcuda, tmp_path, early):
-    """The write-then-read checks with the slab on xfs (loop mount, root); also with
-    libphx's early reads (PHX_CUDA_EARLY_READS=1), whose first version crashed here
-    (about one run in five) when a read finished before its early start looked at it."""
+    """The write-then-read checks with the slab on xfs (loop mount, root), with
+    libphx's early reads (libphxfile's default; their first version crashed here
+    about one run in five, when a read finished before its early start looked at
+    it) and without (PHX_CUDA_EARLY_READS=0)."""
     mnt = str(tmp_path / "xfs")
     if not shutil.which("mkfs.xfs") or not _mount("xfs", mnt, str(tmp_path / "xfs.img")):
         pytest.skip("needs root and mkfs.xfs for an xfs loop mount")
     try:
         extra = {"LD_LIBRARY_PATH": str(fake_libcuda), "PHX_CUDA_LANES": "2"}
-        if early:
-            extra["PHX_CUDA_EARLY_READS"] = "1"
+        if not early:
+            extra["PHX_CUDA_EARLY_READS"] = "0"
         r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
                            [mnt, "-", "roundtrip_chunks", "deferred_arguments",
-                            "threads_and_streams", "closed_fd"],
+                            "threads_and_streams", "closed_fd", "early_reads"],
                            support.child_env(SITE, **extra))
     finally:
         _umount(mnt)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 4, r.stdout
+    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 5, r.stdout
+
+
+def test_second_device_turns_early_reads_off(fake_libcuda, tmp_path):
+    """Early reads see only their own context's writes: when a second device's
+    context appears in the process (two fake devices), libphxfile turns them off
+    on every device and says so once; reads stay right."""
+    r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
+                       [str(tmp_path), "-", "second_device_turns_early_reads_off"],
+                       support.child_env(SITE, LD_LIBRARY_PATH=str(fake_libcuda),
+                                         PHX_CUDA_LANES="2", FAKE_CUDA_DEVICES="2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok second_device_turns_early_reads_off" in r.stdout, r.stdout + r.stderr
+    offs = [l for l in r.stderr.splitlines() if "early reads off:" in l]
+    assert len(offs) == 1 and "device 1" in offs[0], r.stderr
 
 
 _CLAIM_CHILD = r"""

@@ -9,7 +9,7 @@
 #   tools/lmcache_gpu_run.sh chunks    build, full chunk benchmark, disk and zram (~5 min)
 #   tools/lmcache_gpu_run.sh replay    build, full replay on zram, short on disk (~5 min)
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
-#                                      bench-mid bench-mid-early bench-full replay-mid replay-full
+#                                      bench-mid bench-mid-noearly bench-full replay-mid replay-full
 #                                      replay-disk replay-seed (the seed's token counts, ~6 min)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
@@ -79,8 +79,9 @@ step() {
 	replay-small) bench replay-small --mode replay --no-disk --zram 8G --sessions 2 --rounds 8 \
 		--token-scale 0.0625 --concurrency 1,2,4,8 ;;
 	bench-mid) bench bench-mid $MID ;;
-	# the same with libphx's early reads on (docs/gpu.md, "Early reads"): only phx's rows change
-	bench-mid-early) PHX_CUDA_EARLY_READS=1 bench bench-mid-early $MID ;;
+	# the same with libphx's early reads off (libphxfile has them on by default;
+	# docs/gpu.md, "Early reads"): only phx's rows change
+	bench-mid-noearly) PHX_CUDA_EARLY_READS=0 bench bench-mid-noearly $MID ;;
 	bench-full) bench bench-full --mode chunks --chunks 128 --latency-chunks 32 --repeat 3 \
 		--zram 20G ;;
 	replay-full) bench replay-full --mode replay --no-disk --zram 16G --sessions 6 --rounds 30 \

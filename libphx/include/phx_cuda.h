@@ -143,8 +143,17 @@ enum {
 	PHX_CUDA_FEAT_MEMOPS = 1u << 0,		/* cuStreamWaitValue32: stream ops */
 	PHX_CUDA_FEAT_BATCH_COPY = 1u << 1,	/* cuMemcpyBatchAsync */
 	PHX_CUDA_FEAT_FIXED_BUFS = 1u << 2,	/* staging as io_uring fixed buffers */
+	PHX_CUDA_FEAT_EARLY_READS = 1u << 3,	/* early reads are on now */
 };
 uint32_t phx_cuda_features(const phx_cuda *cu);
+
+/*
+ * Turn early reads (PHX_CUDA_EARLY_READS) on or off while the context
+ * runs.  Off also voids the early pieces of reads already queued: they are
+ * read again when their stream arrives.  0, or -ENOTSUP to turn them on
+ * without stream memory operations.
+ */
+int phx_cuda_set_early_reads(phx_cuda *cu, int on);
 
 /*
  * The NUMA node the context's staging memory is bound to (the GPU's, on a

@@ -90,7 +90,26 @@ CU_EXPORT uint32_t phx_cuda_features(const phx_cuda *c)
 {
 	return (c->memops ? PHX_CUDA_FEAT_MEMOPS : 0) |
 	       (__atomic_load_n(&c->batch_copy, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_BATCH_COPY : 0) |
-	       (c->fixed_bufs ? PHX_CUDA_FEAT_FIXED_BUFS : 0);
+	       (c->fixed_bufs ? PHX_CUDA_FEAT_FIXED_BUFS : 0) |
+	       (__atomic_load_n(&c->early_reads, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_EARLY_READS : 0);
+}
+
+/*
+ * Turning early reads off also voids the early pieces of reads already
+ * queued (the epoch moves on): they are judged at arrival as changed and
+ * read again, so that a caller who turns them off because another writer
+ * appeared (libphxfile's second device) is never served bytes read before.
+ */
+CU_EXPORT int phx_cuda_set_early_reads(phx_cuda *c, int on)
+{
+	if (on && !c->memops)
+		return cu_err(-ENOTSUP, "early reads need stream memory operations");
+	pthread_mutex_lock(&c->lock);
+	if (c->early_reads && !on)
+		c->early_epoch++;
+	__atomic_store_n(&c->early_reads, on != 0, __ATOMIC_RELAXED);
+	pthread_mutex_unlock(&c->lock);
+	return 0;
 }
 
 /* ------------------------------------------------------------------------ */

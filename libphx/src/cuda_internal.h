@@ -230,6 +230,7 @@ struct cu_req {
 	bool e_cut;			/* every piece was handed out early */
 	uint32_t e_live;		/* staging buffers holding its early pieces */
 	uint32_t e_gen;			/* cf->write_gen when it began */
+	uint32_t e_epoch;		/* c->early_epoch when it began */
 	int64_t e_size, e_ctime_ns;	/* the file (fstat) when it began */
 	struct cu_req *e_next;		/* c->early_head */
 	/* stream ops: read when the stream reaches the operation */
@@ -392,7 +393,8 @@ struct phx_cuda {
 	pthread_mutex_t lock;
 	struct cu_req *ready_head, *ready_tail;
 	/* early reads: stream reads queued, not arrived, with pieces to cut */
-	bool early_reads;		/* PHX_CUDA_EARLY_READS */
+	bool early_reads;		/* PHX_CUDA_EARLY_READS, phx_cuda_set_early_reads() */
+	uint32_t early_epoch;		/* bumped when they are turned off */
 	struct cu_req *early_head, *early_tail;
 	uint32_t early_bufs;		/* staging buffers holding early pieces */
 	uint32_t early_max;		/* at most this many: the rest serve arrived work */

@@ -130,7 +130,7 @@ static bool early_fill_locked(struct cu_lane *ln, struct cu_sbuf *b)
 	phx_cuda *c = ln->c;
 	struct cu_req *rq;
 
-	if (c->early_bufs >= c->early_max)
+	if (!c->early_reads || c->early_bufs >= c->early_max)
 		return false;
 	for (rq = c->early_head; rq && rq->state != RQ_WAITING; rq = rq->e_next)
 		;

@@ -618,7 +618,7 @@ int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
 		return ret;
 	}
 	stat_add(c, &c->st.stream_ops, 1);
-	if (op == PHX_OP_READ && c->early_reads)
+	if (op == PHX_OP_READ && __atomic_load_n(&c->early_reads, __ATOMIC_RELAXED))
 		early_begin(rq);	/* this call's reference keeps it alive */
 	/* host functions never queued never drop their references */
 	rq_piece_done_n(rq, (int)(rq->nstages + 1) - queued + 1);
@@ -718,7 +718,7 @@ static void early_begin(struct cu_req *rq)
 	pthread_mutex_unlock(&c->lock);
 	ok = file_stamp(cf, &size, &ctime_ns);
 	pthread_mutex_lock(&c->lock);
-	if (!ok || rq->state != RQ_WAITING || cf->writes_live ||
+	if (!ok || !c->early_reads || rq->state != RQ_WAITING || cf->writes_live ||
 	    __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
 		pthread_mutex_unlock(&c->lock);
 		cf_put(c, cf);
@@ -729,6 +729,7 @@ static void early_begin(struct cu_req *rq)
 	rq_set_range(rq, devptr, off, len);
 	rq->e_state = E_PENDING;
 	rq->e_gen = rq->cf->write_gen;
+	rq->e_epoch = c->early_epoch;
 	rq->e_queued = true;
 	rq->e_next = NULL;
 	if (c->early_tail)
@@ -812,7 +813,7 @@ static int early_settle(struct cu_req *rq)
 	     ctime_ns == rq->e_ctime_ns;
 	pthread_mutex_lock(&c->lock);
 	rq_early_unlink_locked(rq);
-	ok = ok && rq->cf->write_gen == rq->e_gen;
+	ok = ok && rq->cf->write_gen == rq->e_gen && rq->e_epoch == c->early_epoch;
 	rq->e_state = ok ? E_OK : E_BAD;
 	kick = rq->e_live > 0;
 	if (!ok) {

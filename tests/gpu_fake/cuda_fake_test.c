@@ -610,6 +610,70 @@ static void test_early_reads(phx_engine *eng, void *s)
 }
 
 /*
+ * phx_cuda_set_early_reads(): turned off while reads wait behind a busy
+ * stream with their early pieces read, every one of them is judged changed
+ * at arrival and read again (early_misses: the file did not change, so
+ * nothing else could have voided them), and is right; turned on again,
+ * reads behind a busy stream are early again.  The feature bit follows.
+ */
+static void test_early_reads_switch(phx_engine *eng, void *s)
+{
+	enum { N = 6 };
+	phx_cuda *c = ctx(eng, 2, 4, 128 * KiB, PHX_CUDA_EARLY_READS);
+	size_t fsize = 2 * MiB + 77, size[N];
+	unsigned char *data = make_file("switch.bin", fsize);
+	int64_t foff[N], boff[N], done[N];
+	struct phx_cuda_stats st0, st;
+	uint64_t buf;
+	phx_file *f;
+	int i, round, bad = 0;
+
+	phx_file_open(eng, path_of("switch.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, (size_t)N * 300 * KiB);
+	CHECK(phx_cuda_features(c) & PHX_CUDA_FEAT_EARLY_READS, "early reads not reported");
+	for (round = 0; round < 2; round++) {
+		phx_cuda_stats(c, &st0);
+		SleepAsync(s, 150000);
+		for (i = 0; i < N; i++) {
+			size[i] = 250 * KiB + 31 * (size_t)i;
+			foff[i] = (int64_t)(i * 300 * KiB + 5 * i + round);
+			boff[i] = (int64_t)i * 300 * KiB + (i % 3);
+			done[i] = -1;
+			CHECK(phx_cuda_read_async(c, f, buf, &size[i], &foff[i], &boff[i], &done[i],
+						  s) == 0, "read %d", i);
+		}
+		usleep(60000);		/* their early pieces are read by now */
+		if (round == 0) {
+			CHECK(phx_cuda_set_early_reads(c, 0) == 0, "off");
+			CHECK(!(phx_cuda_features(c) & PHX_CUDA_FEAT_EARLY_READS),
+			      "still reported on");
+		}
+		StreamSynchronize(s);
+		for (i = 0; i < N; i++)
+			if (done[i] != (int64_t)size[i] ||
+			    memcmp(dev(buf + boff[i]), data + foff[i], size[i]))
+				bad++;
+		CHECK(!bad, "round %d: %d of %d reads wrong", round, bad, N);
+		phx_cuda_stats(c, &st);
+		if (round == 0) {
+			CHECK(st.early_reads == st0.early_reads &&
+			      st.early_misses - st0.early_misses >= N - 1,
+			      "after off: %" PRIu64 " early, %" PRIu64 " voided of %d",
+			      st.early_reads - st0.early_reads, st.early_misses - st0.early_misses, N);
+			CHECK(phx_cuda_set_early_reads(c, 1) == 0, "on");
+		} else {
+			CHECK(st.early_reads - st0.early_reads >= N / 2,
+			      "on again: only %" PRIu64 " early reads of %d",
+			      st.early_reads - st0.early_reads, N);
+		}
+	}
+	CHECK(phx_file_close(f) == 0, "close");
+	CHECK(phx_cuda_destroy(c) == 0, "destroy");
+	MemFree(buf);
+	free(data);
+}
+
+/*
  * A device-wide synchronisation (cudaFree, a growing allocator) in another
  * thread while stream ops wait on their streams: they must complete without
  * any CUDA call from the lanes, or the process hangs (seen on the H200 with
@@ -1032,6 +1096,7 @@ int main(int argc, char **argv)
 	test_no_memops(eng);
 	test_lane_setup_failure(eng);
 	test_early_reads(eng, s1);
+	test_early_reads_switch(eng, s1);
 	/* every host function libphx queued returned at once */
 	CHECK(HostfnMax() < 20 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
 out:

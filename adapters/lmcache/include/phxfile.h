@@ -94,7 +94,9 @@ struct phxfile_stats {
 	uint64_t h2d_bytes;
 	uint64_t d2h_bytes;
 	uint64_t pinned_bytes;
-	uint64_t reserved[8];
+	uint64_t early_reads;		/* reads served by early file I/O (libphx) */
+	uint64_t early_misses;		/* early file I/O thrown away at arrival */
+	uint64_t reserved[6];
 };
 
 /* Counters since the process loaded the library; 0 or -EINVAL. */

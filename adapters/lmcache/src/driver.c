@@ -116,6 +116,44 @@ static void ctx_fold_stats(struct pf_driver *d, phx_cuda *cu)
 	d->st.staging_chunks += cs.chunks;
 	d->st.h2d_bytes += cs.h2d_bytes;
 	d->st.d2h_bytes += cs.d2h_bytes;
+	d->st.early_reads += cs.early_reads;
+	d->st.early_misses += cs.early_misses;
+}
+
+/*
+ * Early reads (libphx: a stream read's file I/O starts when it is queued,
+ * and stands only if nothing changed by arrival) are on by default here,
+ * though libphx leaves them off: the slab is this process's alone
+ * (handles.c claims it) and every write to it goes through this process's
+ * staging context, whose queued writes early reads see.  They doubled
+ * LMCache's chunk loads on the H200 (docs/gpu.md).  A second device's
+ * context is a writer that the first one's early reads cannot see, so at a
+ * second device they are turned off on every context (which also voids
+ * early pieces already read).  PHX_CUDA_EARLY_READS=0 turns them off.
+ * Setup held.
+ */
+static bool early_reads_setup(struct pf_driver *d, int dev)
+{
+	const char *v = getenv("PHX_CUDA_EARLY_READS");
+	phx_cuda *others[PF_MAX_DEVICES];
+	int i, n = 0;
+
+	if (v && !atoi(v))
+		return false;
+	pthread_mutex_lock(&d->lock);
+	for (i = 0; i < PF_MAX_DEVICES; i++)
+		if (i != dev && d->ctx[i])
+			others[n++] = d->ctx[i];
+	pthread_mutex_unlock(&d->lock);
+	/* no context goes away while setup is held */
+	for (i = 0; i < n; i++)
+		phx_cuda_set_early_reads(others[i], 0);
+	if (n && !d->early_off_logged) {
+		pf_log("early reads off: device %d is a second device in this process, whose writes the others' early reads would not see",
+		       dev);
+		d->early_off_logged = true;
+	}
+	return n == 0;
 }
 
 static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
@@ -127,14 +165,19 @@ static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
 		return ret;
 	phx_cuda_config_init(&cfg);
 	cfg.device = dev;
+	if (early_reads_setup(d, dev))
+		cfg.flags |= PHX_CUDA_EARLY_READS;
+	else
+		cfg.flags &= ~PHX_CUDA_EARLY_READS;
 	ret = phx_cuda_create(d->eng, &cfg, out);
 	if (ret) {
 		pf_log("device %d: staging context: %s", dev, phx_cuda_strerror_last());
 		return ret;
 	}
 	phx_cuda_config_get(*out, &cfg);
-	pf_log("device %d: staging context: %u lanes x %u buffers x %u KiB pinned", dev,
-	       cfg.lanes, cfg.bufs_per_lane, cfg.buf_size >> 10);
+	pf_log("device %d: staging context: %u lanes x %u buffers x %u KiB pinned, early reads %s",
+	       dev, cfg.lanes, cfg.bufs_per_lane, cfg.buf_size >> 10,
+	       phx_cuda_features(*out) & PHX_CUDA_FEAT_EARLY_READS ? "on" : "off");
 	pf_handles_attach_all_setup(d, dev, *out);
 	return 0;
 }
@@ -280,6 +323,8 @@ PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
 		out.h2d_bytes += cs.h2d_bytes;
 		out.d2h_bytes += cs.d2h_bytes;
 		out.pinned_bytes += cs.pinned_bytes;
+		out.early_reads += cs.early_reads;
+		out.early_misses += cs.early_misses;
 	}
 	pthread_mutex_unlock(&d->setup);
 	out.size = size;

@@ -102,6 +102,7 @@ struct pf_driver {
 	size_t nlogged;
 	bool log_overflow;
 	bool nodev_logged;
+	bool early_off_logged;		/* "early reads off: a second device" said */
 	struct phxfile_stats st;
 };
 

@@ -169,6 +169,87 @@ def check_deferred_arguments():
     deregister(dst)
 
 
+def _queued_reads(h, dst: int, data: np.ndarray, s: int, n: int = 6) -> int:
+    """``n`` unaligned reads queued behind a busy stream, checked; the early
+    reads they made (phx_lmcache.stats())."""
+    before = phx_lmcache.stats()["early_reads"]
+    busy(s, 150)
+    subs = [(h.read_async(dst, 300001 + i, 4096 * i + 3 * i, 400000 * i + i, s),
+             300001 + i, 4096 * i + 3 * i, 400000 * i + i) for i in range(n)]
+    sync(s)
+    for sub, size, foff, boff in subs:
+        assert sub.bytes_done == size, (sub.bytes_done, size)
+        assert (view(dst + boff, size) == data[foff:foff + size]).all(), "bytes differ"
+    return phx_lmcache.stats()["early_reads"] - before
+
+
+def check_early_reads():
+    """libphx's early reads are on by default in libphxfile (the slab is this
+    process's alone), off with PHX_CUDA_EARLY_READS=0; right either way."""
+    if phx_lmcache.stats()["path"] == "direct":
+        raise Skip("early reads belong to Co-DMA staging; registered buffers go direct here")
+    n = 4 * MiB + 5
+    data = random(n)
+    h = slab("early", 8 * MiB)
+    buf = alloc(n)
+    register(buf, n)
+    view(buf, n)[:] = data
+    s = stream()
+    w = h.write_async(buf, n, 0, 0, s)
+    sync(s)
+    assert w.bytes_done == n
+    dst = alloc(6 * 400000 + 400000)
+    register(dst, 6 * 400000 + 400000)
+    early = _queued_reads(h, dst, data, s)
+    if os.environ.get("PHX_CUDA_EARLY_READS") == "0":
+        assert early == 0, f"{early} early reads with PHX_CUDA_EARLY_READS=0"
+    else:
+        assert early >= 3, f"only {early} of 6 reads behind a busy stream were early"
+    h.close()
+    deregister(buf)
+    deregister(dst)
+
+
+def check_second_device_turns_early_reads_off():
+    """A second device in the process (FAKE_CUDA_DEVICES=2): its writes would be
+    unseen by the first device's early reads, so they go off on every device."""
+    if os.environ.get("FAKE_CUDA_DEVICES", "1") == "1":
+        raise Skip("needs FAKE_CUDA_DEVICES=2")
+    ctxs = []
+    for d in (0, 1):
+        c = ctypes.c_void_p()
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0
+        ctxs.append(c)
+    n = 4 * MiB + 5
+    data = random(n)
+    h = slab("two", 8 * MiB)
+    assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
+    buf, dst, s = alloc(n), alloc(3 * MiB), stream()
+    register(buf, n)
+    register(dst, 3 * MiB)
+    view(buf, n)[:] = data
+    w = h.write_async(buf, n, 0, 0, s)
+    sync(s)
+    assert w.bytes_done == n
+    assert _queued_reads(h, dst, data, s, 4) >= 2, "device 0 alone: no early reads"
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0          # device 1 writes the slab
+    buf1, s1 = alloc(MiB), stream()
+    register(buf1, MiB)
+    data[: MiB] = random(MiB)
+    view(buf1, MiB)[:] = data[: MiB]
+    w = h.write_async(buf1, MiB, 0, 0, s1)
+    sync(s1)
+    assert w.bytes_done == MiB
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
+    assert _queued_reads(h, dst, data, s, 4) == 0, "early reads still on with two devices"
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    h.close()
+    for p in (buf, dst, buf1):
+        assert deregister(p) == 0
+
+
 def check_work_after_read_sees_data():
     """A copy queued after the read on the same stream sees the read's data
     (the stream is held up first, so nothing has run at queue time)."""
