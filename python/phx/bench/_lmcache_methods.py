@@ -176,6 +176,14 @@ def open_gds(backend: str, directory: str, slab_bytes: int, shape, pools) -> tup
     try:
         return GDSMethod(backend, directory, slab_bytes, shape, pools), ""
     except Exception as e:  # noqa: BLE001 - reported in the results
+        # The slab a backend made before it failed (cufile: fallocated, then
+        # cuFileHandleRegister refused it) would leave no room for the
+        # fallback's own slab on a filesystem sized for one (seen: ENOSPC at
+        # the seed-scale replay's 20.7 GiB slab on 28 GB of zram).
+        import gc
+        import shutil
+        gc.collect()            # the failed context's handle, and its fd
+        shutil.rmtree(directory, ignore_errors=True)
         return None, f"{type(e).__name__}: {e}"
 
 

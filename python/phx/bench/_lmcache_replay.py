@@ -172,6 +172,9 @@ def measure(method_name: str, directory: str, trace, shape, prefill, notes) -> d
     if m is None and method_name == "cufile":
         notes["replay-cufile"] = f"LMCache's cufile backend did not start ({why}): KvikIO compat"
         m, why = open_method("kvikio", directory, total * pattern.chunk, shape, [pattern, kv])
+        if m is None:
+            notes["replay-cufile"] += f"; KvikIO compat did not start either: {why}"
+            return None
     if m is None:
         notes[f"replay-{method_name}"] = why
         return None
