@@ -95,7 +95,8 @@ step() {
 	# ~6 min with build (REPLAY_METHODS: which, in order: the slowest last, as a
 	# method cut off by the time limit leaves only its log line)
 	replay-seed) bench replay-seed --mode replay --no-disk --zram 28G --sessions 2 --rounds 30 \
-		--token-scale 1.0 --replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
+		--token-scale 1.0 --concurrency 1,2,3,4,5,6,7,8,10,12,16 \
+		--replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
