@@ -102,6 +102,10 @@ def test_report_and_plot_from_results(tmp_path, capsys):
     assert "phx" in out and "2.62" in out and "sessions <= 5.0 s" in out
     bench._plot(summary, rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+    bench._plot([], rep, str(tmp_path / "replay.png"))      # a replay alone: two panels
+    import matplotlib.image
+    h, w = matplotlib.image.imread(str(tmp_path / "replay.png")).shape[:2]
+    assert w > 1.5 * h
 
 
 def test_replay_charges_every_method_the_same_prefill():

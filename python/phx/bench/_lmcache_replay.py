@@ -340,6 +340,17 @@ def print_summary(device: str, rep: dict[str, Any]) -> None:
                      f"sessions <= {rep['ttft_limit_s']} s", "load x/phx", "bad/checked"], rows))
 
 
+def plot_ttft_alone(ax, rep: dict[str, Any]) -> None:
+    """The distribution (CDF) of each method's TTFT per request run alone."""
+    for name, m in rep.get("methods", {}).items():
+        xs = sorted(m["alone_ttft_s"])
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                label=f"{name} (p50 {xs[len(xs) // 2]:.2f} s)")
+    ax.set_xlabel("TTFT of a request alone: KV load + prefill (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+
+
 def plot_ttft(ax, rep: dict[str, Any]) -> None:
     for name, m in rep.get("methods", {}).items():
         cs = sorted(int(c) for c in m["by_concurrency"])

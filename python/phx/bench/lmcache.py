@@ -223,24 +223,31 @@ def _print(summary: list[dict]) -> None:
 
 
 def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
+    """Chunk load GB/s (when chunks ran) and, for a replay, each method's
+    TTFT distribution alone and its p90 TTFT against concurrent sessions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    n = 2 if replay else 1
+    n = (1 if summary else 0) + (2 if replay else 0)
+    if not n:
+        return
     fig, axes = plt.subplots(1, n, figsize=(7 * n, 4.5))
-    axes = axes if n > 1 else [axes]
-    devs = sorted({s["device"] for s in summary})
-    meths = sorted({s["method"] for s in summary})
-    w = 0.8 / max(1, len(meths))
-    for j, m in enumerate(meths):
-        ys = [next((s["load_gbps"] for s in summary if s["device"] == d and s["method"] == m), 0)
-              for d in devs]
-        axes[0].bar([i + j * w for i in range(len(devs))], ys, w, label=m)
-    axes[0].set_xticks([i + 0.4 - w / 2 for i in range(len(devs))], devs)
-    axes[0].set_ylabel("KV chunk load GB/s")
-    axes[0].legend()
+    axes = list(axes) if n > 1 else [axes]
+    if summary:
+        ax = axes.pop(0)
+        devs = sorted({s["device"] for s in summary})
+        meths = sorted({s["method"] for s in summary})
+        w = 0.8 / max(1, len(meths))
+        for j, m in enumerate(meths):
+            ys = [next((s["load_gbps"] for s in summary
+                        if s["device"] == d and s["method"] == m), 0) for d in devs]
+            ax.bar([i + j * w for i in range(len(devs))], ys, w, label=m)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(devs))], devs)
+        ax.set_ylabel("KV chunk load GB/s")
+        ax.legend()
     if replay:
-        from phx.bench._lmcache_replay import plot_ttft
+        from phx.bench._lmcache_replay import plot_ttft, plot_ttft_alone
+        plot_ttft_alone(axes[0], replay)
         plot_ttft(axes[1], replay)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
