@@ -85,6 +85,19 @@ def random(n: int) -> np.ndarray:
     return RNG.integers(0, 256, n, dtype=np.uint8)
 
 
+def written(h, data: np.ndarray, foff: int, s: int) -> int:
+    """A registered GPU buffer holding ``data``, written through ``h`` at ``foff``
+    on stream ``s`` and checked; the caller deregisters it."""
+    n = len(data)
+    buf = alloc(n)
+    register(buf, n)
+    view(buf, n)[:] = data
+    w = h.write_async(buf, n, foff, 0, s)
+    sync(s)
+    assert w.bytes_done == n, (w.bytes_done, n)
+    return buf
+
+
 class Skip(Exception):
     pass
 
@@ -144,13 +157,8 @@ def check_deferred_arguments():
     n = 3 * MiB + 7
     data = random(n)
     h = slab("deferred", 8 * MiB)
-    src = alloc(n)
-    register(src, n)
-    view(src, n)[:] = data
     s = stream()
-    w = h.write_async(src, n, 0, 0, s)
-    sync(s)
-    assert w.bytes_done == n
+    src = written(h, data, 0, s)
     dst = alloc(n + 100)
     register(dst, n + 100)
     view(dst, n + 100)[:] = 0xAB
@@ -192,13 +200,8 @@ def check_early_reads():
     n = 4 * MiB + 5
     data = random(n)
     h = slab("early", 8 * MiB)
-    buf = alloc(n)
-    register(buf, n)
-    view(buf, n)[:] = data
     s = stream()
-    w = h.write_async(buf, n, 0, 0, s)
-    sync(s)
-    assert w.bytes_done == n
+    buf = written(h, data, 0, s)
     dst = alloc(6 * 400000 + 400000)
     if not direct:
         register(dst, 6 * 400000 + 400000)
@@ -227,23 +230,14 @@ def check_second_device_turns_early_reads_off():
     data = random(n)
     h = slab("two", 8 * MiB)
     assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
-    buf, dst, s = alloc(n), alloc(3 * MiB), stream()
-    register(buf, n)
+    dst, s = alloc(3 * MiB), stream()
     register(dst, 3 * MiB)
-    view(buf, n)[:] = data
-    w = h.write_async(buf, n, 0, 0, s)
-    sync(s)
-    assert w.bytes_done == n
+    buf = written(h, data, 0, s)
     assert _queued_reads(h, dst, data, s, 4) >= 2, "device 0 alone: no early reads"
     assert cuda.cuCtxPopCurrent_v2(None) == 0
     assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0          # device 1 writes the slab
-    buf1, s1 = alloc(MiB), stream()
-    register(buf1, MiB)
     data[: MiB] = random(MiB)
-    view(buf1, MiB)[:] = data[: MiB]
-    w = h.write_async(buf1, MiB, 0, 0, s1)
-    sync(s1)
-    assert w.bytes_done == MiB
+    buf1 = written(h, data[: MiB], 0, stream())
     assert cuda.cuCtxPopCurrent_v2(None) == 0
     assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
     assert _queued_reads(h, dst, data, s, 4) == 0, "early reads still on with two devices"
@@ -259,13 +253,8 @@ def check_work_after_read_sees_data():
     n = 5 * MiB + 11
     data = random(n)
     h = slab("order", 8 * MiB)
-    src = alloc(n)
-    register(src, n)
-    view(src, n)[:] = data
     s = stream()
-    w = h.write_async(src, n, 4096, 0, s)   # kept: its arguments are read later
-    sync(s)
-    assert w.bytes_done == n
+    src = written(h, data, 4096, s)
     dst = alloc(n)
     register(dst, n)
     host = np.zeros(n, dtype=np.uint8)
