@@ -88,7 +88,9 @@ int phx_engine_create(const struct phx_engine_config *cfg, phx_engine **out);
 
 /*
  * Destroy an engine.  Waits for every request in flight; files still open
- * on it are closed.  Returns the first error seen while draining.
+ * on it are closed.  Returns the first error seen while draining, or
+ * -EBUSY (and destroys nothing) while GPU work still holds one of its files
+ * (phx_cuda.h): its lanes use the file's descriptor.
  */
 int phx_engine_destroy(phx_engine *eng);
 
@@ -144,10 +146,21 @@ int phx_file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
 /* Adopt an fd the caller keeps owning (phx_file_close() does not close it). */
 int phx_file_from_fd(phx_engine *eng, int fd, phx_file **out);
 
-/* Close the file; fails with -EBUSY while requests on it are in flight. */
+/*
+ * Close the file; fails with -EBUSY while requests on it are in flight or
+ * GPU work holds it (phx_cuda.h).
+ */
 int phx_file_close(phx_file *f);
 
 int phx_file_get_info(const phx_file *f, struct phx_file_info *info);
+
+/*
+ * 0 when every byte of [@offset, @offset + @len) may be read, -EIO when the
+ * last write through libphx to some of them failed (a read of them is
+ * refused until they are written again successfully; PHX_0.5).  The text
+ * names the bad range.  Bad ranges are per file (inode), process-wide.
+ */
+int phx_file_check_range(const phx_file *f, uint64_t offset, uint64_t len);
 
 /* ------------------------------------------------------------------------ */
 /* Registered host buffers                                                  */
@@ -273,7 +286,9 @@ struct phx_stats {
 	uint64_t sqes;			/* device requests issued */
 	uint64_t submits;		/* io_uring_submit calls */
 	uint64_t errors;		/* requests that failed */
-	uint64_t reserved[10];
+	uint64_t bad_marks;		/* failed writes whose range reads now refuse */
+	uint64_t bad_refusals;		/* reads refused: the last write of their range failed */
+	uint64_t reserved[8];
 };
 
 void phx_engine_stats(phx_engine *eng, struct phx_stats *st);

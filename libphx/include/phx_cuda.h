@@ -96,17 +96,19 @@ enum {
 	/* One copy call per piece instead of cuMemcpyBatchAsync. */
 	PHX_CUDA_NO_BATCH_COPY = 1u << 2,
 	/*
-	 * Early reads (an experiment, off by default; PHX_CUDA_EARLY_READS=1):
-	 * a stream-ordered read's file I/O into staging starts when it is
+	 * Early reads (off by default; PHX_CUDA_EARLY_READS=1): a
+	 * stream-ordered read's file I/O into staging starts when it is
 	 * queued, on its arguments as they are then, so that reads queued on
 	 * one stream overlap their file I/O.  When the stream arrives the
-	 * arguments are read again (cuFile semantics are kept): the early bytes
-	 * are used only if the arguments are the same, no write through this
-	 * context was queued on the file meanwhile (none was in flight when it
-	 * began) and the file's size and change time are unchanged; otherwise
-	 * they are thrown away and read again.  What it cannot see: a file
-	 * changed behind the same change time (within one timestamp tick) by
-	 * another file handle or process while the read was queued.
+	 * arguments are read again (cuFile semantics are kept) and the early
+	 * bytes are used only if nothing could have changed them: the same
+	 * arguments; no write through libphx in this process (any handle,
+	 * engine or context) overlapping the range was in flight when it
+	 * began or started since; the file's size and change time unchanged.
+	 * Never on block devices, nor on files whose change time is not
+	 * fine-grained (see docs/gpu.md).  What it cannot see: another
+	 * process's write (or a store through a shared mapping) that changes
+	 * neither size nor change time.
 	 */
 	PHX_CUDA_EARLY_READS = 1u << 3,
 };
@@ -120,9 +122,11 @@ void phx_cuda_config_init(struct phx_cuda_config *cfg);
 
 /*
  * Create a GPU staging context for one device: pins lanes * bufs_per_lane *
- * buf_size bytes of host memory (at most PHX_CUDA_MAX_PINNED) plus 20 KiB of
- * completion flags, once, and starts the lane threads.  @eng may be NULL;
- * it only names the engine whose files the caller will use.
+ * buf_size bytes of host memory (at most PHX_CUDA_MAX_PINNED) plus 1.1 MiB
+ * of progress words and copy descriptors (and 1 MiB of GPU memory for the
+ * descriptors), once, and starts its threads: the lanes (file I/O), the
+ * copier (host-async copies) and the poller (stream progress).  @eng may be
+ * NULL; it only names the engine whose files the caller will use.
  */
 int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg,
 		    phx_cuda **out);
@@ -132,7 +136,9 @@ int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg,
  * have not reached them yet included, then stop the lanes and free the
  * staging memory.  A stream that waits on work that can only happen after
  * this call returns therefore deadlocks it: synchronise such streams first.
- * Files still registered are deregistered.
+ * A context whose device hit a sticky error (a kernel that faulted) ends
+ * its stream operations with -EIO instead of waiting for them.  Files still
+ * registered are deregistered.
  */
 int phx_cuda_destroy(phx_cuda *cu);
 
@@ -144,6 +150,7 @@ enum {
 	PHX_CUDA_FEAT_BATCH_COPY = 1u << 1,	/* cuMemcpyBatchAsync */
 	PHX_CUDA_FEAT_FIXED_BUFS = 1u << 2,	/* staging as io_uring fixed buffers */
 	PHX_CUDA_FEAT_EARLY_READS = 1u << 3,	/* early reads are on now */
+	PHX_CUDA_FEAT_DEAD = 1u << 4,		/* a sticky CUDA error: every call fails */
 };
 uint32_t phx_cuda_features(const phx_cuda *cu);
 
@@ -267,8 +274,23 @@ int phx_cuda_submit_wait(phx_cuda *cu, struct phx_cuda_io *ios, size_t n);
  * libphx no longer touches @io.  No CUDA callback thread ever waits: the
  * stream waits on a pinned flag (cuStreamWaitValue32) that a lane raises.
  *
- * Returns 0 once queued (the result then always arrives), -ENOTSUP without
- * stream memory operations, -EAGAIN with 4096 stream operations in flight.
+ * Any thread may call these, whatever context is current (or none): the
+ * context's own is made current for the call and restored after.  The
+ * stream must belong to the context's device; it must not be capturing a
+ * CUDA graph (-EBUSY: a graph would replay a request that no longer exists).
+ * The memory may span several mapped segments (PyTorch's expandable
+ * segments, VMM allocators) as long as they are contiguous.
+ *
+ * Errors never become data: a short read fills exactly the bytes it
+ * reports and leaves the rest of the destination alone; a failed write
+ * marks its file range bad, and every later read of any part of it through
+ * libphx fails with -EIO until the range is written again successfully.
+ *
+ * With 4096 stream operations in flight on the context a call waits for
+ * one to finish, at most PHX_CUDA_QUEUE_WAIT_MS (30000 by default), then
+ * returns -EAGAIN.  Returns 0 once queued (the result then always
+ * arrives), -ENOTSUP without stream memory operations (phx_cuda_features();
+ * phx_cuda_memops_why() says why).
  */
 int phx_cuda_submit_stream(phx_cuda *cu, struct phx_cuda_io *io, void *stream);
 int phx_cuda_read_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
@@ -279,6 +301,35 @@ int phx_cuda_write_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
 			 const size_t *size, const int64_t *file_offset,
 			 const int64_t *buf_offset, int64_t *bytes_done,
 			 void *stream);
+
+/*
+ * The same with a completion call (PHX_0.5): @done, when not NULL, is
+ * called once with the result after the stream has passed the operation and
+ * libphx no longer touches the arguments.  It runs on a libphx thread that
+ * serves every stream of the context: it must return quickly, and must not
+ * block or make CUDA calls.
+ */
+typedef void (*phx_cuda_done_fn)(void *arg, int64_t result);
+
+struct phx_cuda_async {
+	uint32_t size;			/* sizeof(struct phx_cuda_async) */
+	uint32_t op;			/* PHX_OP_READ / PHX_OP_WRITE */
+	phx_file *file;
+	uint64_t devptr_base;
+	const size_t *nbytes;		/* read when the stream arrives */
+	const int64_t *file_offset;
+	const int64_t *buf_offset;
+	int64_t *bytes_done;		/* may be NULL */
+	void *stream;
+	phx_cuda_done_fn done;		/* may be NULL */
+	void *done_arg;
+	uint64_t reserved[4];
+};
+
+int phx_cuda_submit_async(phx_cuda *cu, const struct phx_cuda_async *a);
+
+/* Why stream-ordered calls are unavailable on @cu ("" when they are not). */
+const char *phx_cuda_memops_why(const phx_cuda *cu);
 
 /* ------------------------------------------------------------------------ */
 /* Counters                                                                 */
@@ -308,9 +359,36 @@ struct phx_cuda_stats {
 	uint64_t early_reads;		/* stream reads served by early file I/O */
 	uint64_t early_misses;		/* early file I/O thrown away at arrival */
 	uint64_t reserved[2];
+	/* ---- PHX_0.5: only phx_cuda_stats_get() fills these ---- */
+	/*
+	 * Where stream ops' time goes, summed over the ops released: from
+	 * queueing until the poller saw the stream arrive (the work ahead
+	 * of it), from the arrival until its last round was staged (the
+	 * stream waiting for file I/O), and from then until the stream was
+	 * past it (copies on the GPU and the release).  Divide by
+	 * stream_released for a mean per op.
+	 */
+	uint64_t stream_released;
+	uint64_t stream_queue_ns;
+	uint64_t stream_data_ns;
+	uint64_t stream_gpu_ns;
+	uint64_t queue_waits;		/* submissions that waited for a slot */
+	uint64_t early_refused;		/* stream reads not started early: a write overlapped */
+	uint64_t bad_marks;		/* failed writes whose range is now refused */
+	uint64_t bad_refusals;		/* reads refused: their range's last write failed */
+	uint64_t orphans;		/* stream ops whose GPU work could only be partly queued */
+	uint64_t broken;		/* stream ops ended by a dead context (sticky CUDA error) */
+	uint64_t reserved2[6];
 };
 
+/*
+ * The counters.  phx_cuda_stats() fills the fields before reserved[] (the
+ * PHX_0.2 layout); phx_cuda_stats_get() fills @size bytes of @st (pass
+ * sizeof(*st)), so a caller built against an older header gets what it
+ * knows.
+ */
 void phx_cuda_stats(phx_cuda *cu, struct phx_cuda_stats *st);
+void phx_cuda_stats_get(phx_cuda *cu, struct phx_cuda_stats *st, size_t size);
 void phx_cuda_stats_reset(phx_cuda *cu);
 
 #ifdef __cplusplus

@@ -1,13 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * cuda_api.c - the public request calls of phx_cuda.h and its counters.
+ * cuda_api.c - floor 5: the public request calls of phx_cuda.h, file
+ * registration and the counters.
  *
- * Each call only builds requests (cuda_request.c) and queues them; the
- * lanes (cuda_lanes.c) do the work.  A batch of n host-async requests costs
- * n small allocations from a pool, one lock and, after a producer stream,
- * one cuEventRecord.
+ * Each call only builds requests (cuda_request.c, cuda_stream.c) and queues
+ * them; the threads (cuda_lanes.c, cuda_copier.c, cuda_poller.c) do the
+ * work.  Every call that makes CUDA calls pushes the context's own CUDA
+ * context first and pops it after, so any thread may call, whatever is
+ * current there (nothing, or another device's context).  A batch of n
+ * host-async requests costs n small allocations from a pool, one lock and,
+ * after a producer stream, one cuEventRecord.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,13 +31,24 @@ CU_EXPORT void phx_cuda_io_prep(struct phx_cuda_io *io, phx_file *f, enum phx_op
 	io->offset = offset;
 }
 
-/* An event on @s (NULL: the legacy default stream) for copies to follow. */
+/*
+ * An event on @s (NULL: the legacy default stream) for copies to follow.
+ * Not on a stream that is capturing a graph: the event would be a node of
+ * the graph, recorded only when it is launched, and the copies would wait
+ * for it forever.
+ */
 static int after_new(phx_cuda *c, CUstream s, struct cu_after **out)
 {
-	struct cu_after *a = calloc(1, sizeof(*a));
+	struct cu_after *a;
+	int st = CU_STREAM_CAPTURE_STATUS_NONE;
 	CUresult r;
 	int ret;
 
+	if (c->d->StreamIsCapturing &&
+	    (c->d->StreamIsCapturing(s ? s : (CUstream)1, &st) != CUDA_SUCCESS ||
+	     st != CU_STREAM_CAPTURE_STATUS_NONE))
+		return cu_err(-EBUSY, "the producer stream is being captured into a CUDA graph: copies ordered after it would wait for a replay");
+	a = calloc(1, sizeof(*a));
 	if (!a)
 		return cu_err(-ENOMEM, "out of memory");
 	ret = ev_get(c, &a->ev);
@@ -51,12 +67,22 @@ static int after_new(phx_cuda *c, CUstream s, struct cu_after **out)
 	return 0;
 }
 
-static void after_drop(phx_cuda *c, struct cu_after *a)
+/* Link host-async requests into their ready queue and wake lanes for them. */
+static void queue_host(phx_cuda *c, struct cu_req **rqs, size_t n)
 {
-	if (a && __atomic_sub_fetch(&a->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-		ev_put(c, a->ev);
-		free(a);
+	uint64_t bytes = 0;
+	size_t i;
+
+	if (!n)
+		return;
+	pthread_mutex_lock(&c->lock);
+	for (i = 0; i < n; i++) {
+		ready_push_locked(c, rqs[i], false);
+		bytes += rqs[i]->len;
 	}
+	pthread_mutex_unlock(&c->lock);
+	lanes_wake(c, (uint32_t)(bytes / c->cfg.buf_size + 1 < c->nlanes ?
+				 bytes / c->cfg.buf_size + 1 : c->nlanes));
 }
 
 /*
@@ -97,14 +123,14 @@ static int submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
 		if (rq)
 			batch[k++] = rq;
 		if (k == QUEUE_BATCH) {
-			rq_queue(c, batch, k);
+			queue_host(c, batch, k);
 			k = 0;
 		}
 	}
-	rq_queue(c, batch, k);
+	queue_host(c, batch, k);
 	if (cf)
 		cf_put(c, cf);
-	after_drop(c, after);
+	after_put(c, after);
 	ctx_pop(c);
 	return ret;
 }
@@ -201,13 +227,13 @@ CU_EXPORT int phx_cuda_submit_stream(phx_cuda *c, struct phx_cuda_io *io, void *
 {
 	if (!c || !io)
 		return cu_err(-EINVAL, "phx_cuda_submit_stream: NULL argument");
-	return rq_stream(c, io, false, io->file, io->op, 0, NULL, NULL, NULL, NULL,
-			 (CUstream)stream);
+	return st_submit(c, io, false, io->file, io->op, 0, NULL, NULL, NULL, NULL,
+			 (CUstream)stream, NULL, NULL);
 }
 
-static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t base,
+static int async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
 		       const size_t *size, const int64_t *foff, const int64_t *boff,
-		       int64_t *bytes_done, void *stream)
+		       int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg)
 {
 	struct phx_cuda_io *io;
 	int ret;
@@ -220,8 +246,8 @@ static int async_owned(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t base,
 		return cu_err(-ENOMEM, "out of memory");
 	io->file = f;
 	io->op = op;
-	ret = rq_stream(c, io, true, f, op, base, size, foff, boff, bytes_done,
-			(CUstream)stream);
+	ret = st_submit(c, io, true, f, op, base, size, foff, boff, bytes_done,
+			(CUstream)stream, fn, arg);
 	if (ret)
 		free(io);	/* refused: the request never took it */
 	return ret;
@@ -233,7 +259,7 @@ CU_EXPORT int phx_cuda_read_async(phx_cuda *c, phx_file *f, uint64_t devptr_base
 				  void *stream)
 {
 	return async_owned(c, f, PHX_OP_READ, devptr_base, size, file_offset, buf_offset,
-			   bytes_done, stream);
+			   bytes_done, stream, NULL, NULL);
 }
 
 CU_EXPORT int phx_cuda_write_async(phx_cuda *c, phx_file *f, uint64_t devptr_base,
@@ -242,27 +268,87 @@ CU_EXPORT int phx_cuda_write_async(phx_cuda *c, phx_file *f, uint64_t devptr_bas
 				   void *stream)
 {
 	return async_owned(c, f, PHX_OP_WRITE, devptr_base, size, file_offset, buf_offset,
-			   bytes_done, stream);
+			   bytes_done, stream, NULL, NULL);
+}
+
+CU_EXPORT int phx_cuda_submit_async(phx_cuda *c, const struct phx_cuda_async *a)
+{
+	if (!c || !a)
+		return cu_err(-EINVAL, "phx_cuda_submit_async: NULL argument");
+	if (a->size < offsetof(struct phx_cuda_async, reserved))
+		return cu_err(-EINVAL, "phx_cuda_submit_async: struct size %u is too small", a->size);
+	if (a->op != PHX_OP_READ && a->op != PHX_OP_WRITE)
+		return cu_err(-EINVAL, "unknown op %u", a->op);
+	return async_owned(c, a->file, a->op, a->devptr_base, a->nbytes, a->file_offset,
+			   a->buf_offset, a->bytes_done, a->stream, a->done, a->done_arg);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                    */
+/* ------------------------------------------------------------------------ */
+
+CU_EXPORT int phx_cuda_file_register(phx_cuda *c, phx_file *f)
+{
+	struct cu_file *cf;
+	int err = 0;
+
+	if (!c || !f)
+		return cu_err(-EINVAL, "phx_cuda_file_register: NULL argument");
+	cf = cf_get(c, f, &err);
+	if (!cf)
+		return err;
+	pthread_mutex_lock(&c->lock);
+	cf->registrations++;
+	pthread_mutex_unlock(&c->lock);
+	return 0;
+}
+
+CU_EXPORT int phx_cuda_file_deregister(phx_cuda *c, phx_file *f)
+{
+	struct cu_file *cf;
+
+	if (!c || !f)
+		return cu_err(-EINVAL, "phx_cuda_file_deregister: NULL argument");
+	pthread_mutex_lock(&c->lock);
+	for (cf = c->files; cf && cf->f != f; cf = cf->next)
+		;
+	if (!cf || !cf->registrations) {
+		pthread_mutex_unlock(&c->lock);
+		return cu_err(-ENOENT, "file is not registered with this context");
+	}
+	cf->registrations--;
+	pthread_mutex_unlock(&c->lock);
+	cf_put(c, cf);
+	return 0;
 }
 
 /* ------------------------------------------------------------------------ */
 /* Counters                                                                 */
 /* ------------------------------------------------------------------------ */
 
-CU_EXPORT void phx_cuda_stats(phx_cuda *c, struct phx_cuda_stats *st)
+CU_EXPORT void phx_cuda_stats_get(phx_cuda *c, struct phx_cuda_stats *st, size_t size)
 {
+	struct phx_cuda_stats all;
 	uint32_t i;
 
-	memcpy(st, &c->st, sizeof(*st));
-	st->fixed_buf_ios = 0;
-	st->sqes = 0;
+	memcpy(&all, &c->st, sizeof(all));
+	all.fixed_buf_ios = 0;
+	all.sqes = 0;
 	for (i = 0; i < c->nlanes; i++) {
 		struct phx_stats es;
 
 		phx_engine_stats(c->lanes[i].eng, &es);
-		st->fixed_buf_ios += es.fixed_buf_ios;
-		st->sqes += es.sqes;
+		all.fixed_buf_ios += es.fixed_buf_ios;
+		all.sqes += es.sqes;
+		all.bad_refusals += es.bad_refusals;
 	}
+	memcpy(st, &all, size < sizeof(all) ? size : sizeof(all));
+}
+
+/* The PHX_0.2 layout: everything before reserved[]. */
+CU_EXPORT void phx_cuda_stats(phx_cuda *c, struct phx_cuda_stats *st)
+{
+	phx_cuda_stats_get(c, st, offsetof(struct phx_cuda_stats, reserved));
 }
 
 CU_EXPORT void phx_cuda_stats_reset(phx_cuda *c)

@@ -1,29 +1,29 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * cuda_context.c - GPU staging contexts: configuration, create, destroy,
- * and the small pools requests draw from (events, completion-flag slots).
+ * cuda_context.c - floor 4: GPU staging contexts: configuration, what they
+ * pin and allocate, their threads, destroy.
  *
- * A context pins lanes * bufs_per_lane * buf_size bytes of staging memory
- * once (plus 20 KiB of completion flags and 512 KiB of copy descriptors) and
- * starts one lane thread per lane.  Nothing else is pinned later: that product is the bound that
- * phx_cuda_stats.pinned_bytes reports.
+ * A context pins lanes * bufs_per_lane * buf_size bytes of staging once,
+ * plus the stream slots' progress words (48 KiB) and copy descriptors
+ * (1 MiB, with a 1 MiB copy in GPU memory), and starts its threads: one
+ * lane per lane, the copier and the poller.  Nothing else is pinned later:
+ * that sum is what phx_cuda_stats.pinned_bytes reports.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include "cuda_internal.h"
-
-/* the flag page: CU_SLOTS words for stream ops, one more for the probe */
-#define FLAGS_BYTES (CU_SLOTS * 4u + 4096u)
-#define PROBE_SLOT CU_SLOTS
-#define DESCS_BYTES (CU_DESCS * sizeof(struct cu_copy_desc))
-
 #include "cuda_copy_ptx.h"
+
+#define WORDS_BYTES (sizeof(struct cu_words))
+#define DESCS_BYTES ((size_t)CU_SLOTS * CU_RING * sizeof(struct cu_copy_desc))
 
 /* ------------------------------------------------------------------------ */
 /* Configuration                                                            */
@@ -32,7 +32,6 @@
 CU_EXPORT void phx_cuda_config_init(struct phx_cuda_config *cfg)
 {
 	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-	const char *v;
 
 	memset(cfg, 0, sizeof(*cfg));
 	cfg->size = sizeof(*cfg);
@@ -49,14 +48,11 @@ CU_EXPORT void phx_cuda_config_init(struct phx_cuda_config *cfg)
 	cfg->bufs_per_lane = phx_env_u32("PHX_CUDA_BUFS", 4);
 	cfg->buf_size = phx_env_u32("PHX_CUDA_BUF_SIZE", 4u << 20);
 	cfg->max_io_size = phx_env_u32("PHX_CUDA_MAX_IO", 4u << 20);
-	v = getenv("PHX_CUDA_NO_BATCH_COPY");
-	if (v && atoi(v))
+	if (phx_env_u32("PHX_CUDA_NO_BATCH_COPY", 0))
 		cfg->flags |= PHX_CUDA_NO_BATCH_COPY;
-	v = getenv("PHX_CUDA_NO_MEMOPS");
-	if (v && atoi(v))
+	if (phx_env_u32("PHX_CUDA_NO_MEMOPS", 0))
 		cfg->flags |= PHX_CUDA_NO_MEMOPS;
-	v = getenv("PHX_CUDA_EARLY_READS");
-	if (v && atoi(v))
+	if (phx_env_u32("PHX_CUDA_EARLY_READS", 0))
 		cfg->flags |= PHX_CUDA_EARLY_READS;
 }
 
@@ -91,19 +87,26 @@ CU_EXPORT uint32_t phx_cuda_features(const phx_cuda *c)
 	return (c->memops ? PHX_CUDA_FEAT_MEMOPS : 0) |
 	       (__atomic_load_n(&c->batch_copy, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_BATCH_COPY : 0) |
 	       (c->fixed_bufs ? PHX_CUDA_FEAT_FIXED_BUFS : 0) |
-	       (__atomic_load_n(&c->early_reads, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_EARLY_READS : 0);
+	       (__atomic_load_n(&c->early_reads, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_EARLY_READS : 0) |
+	       (__atomic_load_n(&c->dead, __ATOMIC_RELAXED) ? PHX_CUDA_FEAT_DEAD : 0);
+}
+
+CU_EXPORT const char *phx_cuda_memops_why(const phx_cuda *c)
+{
+	return c->memops ? "" : c->memops_why;
 }
 
 /*
  * Turning early reads off also voids the early pieces of reads already
  * queued (the epoch moves on): they are judged at arrival as changed and
  * read again, so that a caller who turns them off because another writer
- * appeared (libphxfile's second device) is never served bytes read before.
+ * appeared (libphxfile's second device, its direct path) is never served
+ * bytes read before.
  */
 CU_EXPORT int phx_cuda_set_early_reads(phx_cuda *c, int on)
 {
 	if (on && !c->memops)
-		return cu_err(-ENOTSUP, "early reads need stream memory operations");
+		return cu_err(-ENOTSUP, "early reads need stream-ordered I/O: %s", c->memops_why);
 	pthread_mutex_lock(&c->lock);
 	if (c->early_reads && !on)
 		c->early_epoch++;
@@ -113,151 +116,13 @@ CU_EXPORT int phx_cuda_set_early_reads(phx_cuda *c, int on)
 }
 
 /* ------------------------------------------------------------------------ */
-/* Small helpers the other files share                                      */
+/* Pinned memory and the kernels                                            */
 /* ------------------------------------------------------------------------ */
 
-int ctx_push(phx_cuda *c)
-{
-	CUresult r = c->d->CtxPushCurrent(c->ctx);
-
-	return r == CUDA_SUCCESS ? 0 : cu_fail(c->d, r, "cuCtxPushCurrent");
-}
-
-void ctx_pop(phx_cuda *c)
-{
-	CUcontext dummy;
-
-	c->d->CtxPopCurrent(&dummy);
-}
-
-int ev_get(phx_cuda *c, CUevent *ev)
-{
-	CUresult r;
-
-	pthread_mutex_lock(&c->lock);
-	if (c->nev_free) {
-		*ev = c->ev_free[--c->nev_free];
-		pthread_mutex_unlock(&c->lock);
-		return 0;
-	}
-	pthread_mutex_unlock(&c->lock);
-	r = c->d->EventCreate(ev, CU_EVENT_DISABLE_TIMING);
-	return r == CUDA_SUCCESS ? 0 : cu_fail(c->d, r, "cuEventCreate");
-}
-
-static bool vec_push(CUevent **v, size_t *n, size_t *cap, CUevent ev)
-{
-	if (*n == *cap) {
-		size_t ncap = *cap ? *cap * 2 : 64;
-		CUevent *nv = realloc(*v, ncap * sizeof(*nv));
-
-		if (!nv)
-			return false;
-		*v = nv;
-		*cap = ncap;
-	}
-	(*v)[(*n)++] = ev;
-	return true;
-}
-
-void ev_put(phx_cuda *c, CUevent ev)
-{
-	bool kept;
-
-	if (!ev)
-		return;
-	pthread_mutex_lock(&c->lock);
-	kept = vec_push(&c->ev_free, &c->nev_free, &c->ev_cap, ev);
-	pthread_mutex_unlock(&c->lock);
-	if (!kept)
-		c->d->EventDestroy(ev);
-}
-
 /*
- * A completion-flag slot for one stream operation.  Each slot's counter
- * only grows; the caller's stream waits with a cyclic >= compare, so a slot
- * can be handed out again as soon as its operation finished: a later use
- * raises the counter further and can never hold back, or release early, a
- * waiter of an earlier one.
- */
-int slot_get(phx_cuda *c, uint32_t *slot, uint32_t *seq)
-{
-	pthread_mutex_lock(&c->lock);
-	if (!c->nslot_free) {
-		pthread_mutex_unlock(&c->lock);
-		return cu_err(-EAGAIN, "%u stream operations are already in flight", CU_SLOTS);
-	}
-	*slot = c->slot_free[--c->nslot_free];
-	*seq = ++c->slot_seq[*slot];
-	pthread_mutex_unlock(&c->lock);
-	return 0;
-}
-
-void slot_put_locked(phx_cuda *c, uint32_t slot)
-{
-	c->slot_free[c->nslot_free++] = slot;
-}
-
-/*
- * @n copy descriptors for the rounds of one stream op (st[i].desc).  They
- * are handed back when the request is released, once the stream has run
- * every kernel that reads them.
- */
-int descs_get(phx_cuda *c, struct cu_stage *st, uint32_t n)
-{
-	uint32_t i;
-
-	pthread_mutex_lock(&c->lock);
-	if (c->ndesc_free < n) {
-		pthread_mutex_unlock(&c->lock);
-		return cu_err(-EAGAIN, "stream operations in flight hold all %u copy descriptors",
-			      CU_DESCS);
-	}
-	for (i = 0; i < n; i++)
-		st[i].desc = c->desc_free[--c->ndesc_free];
-	pthread_mutex_unlock(&c->lock);
-	return 0;
-}
-
-void descs_put_locked(phx_cuda *c, struct cu_stage *st, uint32_t n)
-{
-	uint32_t i;
-
-	for (i = 0; i < n; i++)
-		c->desc_free[c->ndesc_free++] = st[i].desc;
-}
-
-void stat_add(phx_cuda *c, uint64_t *field, uint64_t n)
-{
-	__atomic_add_fetch(field, n, __ATOMIC_RELAXED);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Create / destroy                                                         */
-/* ------------------------------------------------------------------------ */
-
-/* Can a stream wait on a host-written flag here? */
-static bool memops_work(phx_cuda *c)
-{
-	CUstream s = NULL;
-	CUresult r;
-	bool ok;
-
-	if (c->d->StreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
-		return false;
-	c->flags[PROBE_SLOT] = 1;
-	r = c->d->StreamWaitValue32(s, c->flags_d + 4ull * PROBE_SLOT, 1,
-				    CU_STREAM_WAIT_VALUE_GEQ);
-	ok = r == CUDA_SUCCESS && c->d->StreamSynchronize(s) == CUDA_SUCCESS;
-	c->d->StreamDestroy(s);
-	return ok;
-}
-
-/*
- * Pin @p (@len bytes) for the GPU, device-mapped too (the copy kernel of
- * stream ops reads and writes it): *@registered once pinned, so that
- * phx_cuda_destroy() unpins exactly what was pinned.  @what names it in
- * the error.
+ * Pin @p (@len bytes) for the GPU, device-mapped too (the copy kernels and
+ * stream memory operations reach it): *@registered once pinned, so that
+ * phx_cuda_destroy() unpins exactly what was pinned.
  */
 static int host_map(phx_cuda *c, void *p, size_t len, CUdeviceptr *dptr, bool *registered,
 		    const char *what)
@@ -279,20 +144,39 @@ static int host_map(phx_cuda *c, void *p, size_t len, CUdeviceptr *dptr, bool *r
 	return 0;
 }
 
-static int flags_setup(phx_cuda *c)
+static void *map_anon(size_t len)
+{
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+		       -1, 0);
+
+	return p == MAP_FAILED ? NULL : p;
+}
+
+/* Stream slots: the progress words, the descriptors (host and GPU), the free list. */
+static int slots_setup(phx_cuda *c)
 {
 	uint32_t i;
 	int ret;
 
-	c->flags = mmap(NULL, FLAGS_BYTES, PROT_READ | PROT_WRITE,
-			MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-	if (c->flags == MAP_FAILED) {
-		c->flags = NULL;
-		return cu_err(-ENOMEM, "cannot map the flag page");
-	}
-	ret = host_map(c, c->flags, FLAGS_BYTES, &c->flags_d, &c->flags_registered, "flags");
+	c->words = map_anon(WORDS_BYTES);
+	if (!c->words)
+		return cu_err(-ENOMEM, "cannot map the progress words");
+	ret = host_map(c, c->words, WORDS_BYTES, &c->words_d, &c->words_registered,
+		       "progress words");
 	if (ret)
 		return ret;
+	c->descs = map_anon(DESCS_BYTES);
+	if (!c->descs)
+		return cu_err(-ENOMEM, "cannot map the copy descriptors");
+	ret = host_map(c, c->descs, DESCS_BYTES, &c->descs_d, &c->descs_registered,
+		       "copy descriptors");
+	if (ret)
+		return ret;
+	if (c->d->MemAlloc(&c->descs_gpu, DESCS_BYTES) != CUDA_SUCCESS) {
+		c->descs_gpu = 0;
+		return cu_err(-ENOMEM, "cannot allocate %zu bytes of GPU memory for the copy descriptors",
+			      DESCS_BYTES);
+	}
 	c->slot_free = calloc(CU_SLOTS, sizeof(*c->slot_free));
 	c->slot_seq = calloc(CU_SLOTS, sizeof(*c->slot_seq));
 	if (!c->slot_free || !c->slot_seq)
@@ -300,48 +184,64 @@ static int flags_setup(phx_cuda *c)
 	for (i = 0; i < CU_SLOTS; i++)
 		c->slot_free[i] = CU_SLOTS - 1 - i;
 	c->nslot_free = CU_SLOTS;
-
-	c->descs = mmap(NULL, DESCS_BYTES, PROT_READ | PROT_WRITE,
-			MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-	if (c->descs == MAP_FAILED) {
-		c->descs = NULL;
-		return cu_err(-ENOMEM, "cannot map the copy descriptors");
-	}
-	ret = host_map(c, c->descs, DESCS_BYTES, &c->descs_d, &c->descs_registered,
-		       "copy descriptors");
-	if (ret)
-		return ret;
-	c->desc_free = calloc(CU_DESCS, sizeof(*c->desc_free));
-	if (!c->desc_free)
-		return cu_err(-ENOMEM, "out of memory");
-	for (i = 0; i < CU_DESCS; i++)
-		c->desc_free[i] = CU_DESCS - 1 - i;
-	c->ndesc_free = CU_DESCS;
 	return 0;
 }
 
+/* Can a stream wait for a host-written word and write one back here? */
+static bool memops_work(phx_cuda *c)
+{
+	CUdeviceptr probe = c->words_d + offsetof(struct cu_words, probe);
+	CUstream s = NULL;
+	CUresult r;
+	bool ok;
+
+	if (c->d->StreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+		return false;
+	c->words->probe[0] = 1;
+	c->words->probe[1] = 0;
+	r = c->d->StreamWaitValue32(s, probe, 1, CU_STREAM_WAIT_VALUE_GEQ);
+	if (r == CUDA_SUCCESS)
+		r = c->d->StreamWriteValue32(s, probe + 4, 7, CU_STREAM_WRITE_VALUE_DEFAULT);
+	ok = r == CUDA_SUCCESS && c->d->StreamSynchronize(s) == CUDA_SUCCESS &&
+	     __atomic_load_n(&c->words->probe[1], __ATOMIC_ACQUIRE) == 7;
+	c->d->StreamDestroy(s);
+	if (!ok)
+		snprintf(c->memops_why, sizeof(c->memops_why),
+			 "the device refuses stream memory operations (cuStreamWaitValue32/WriteValue32: CUDA error %d)",
+			 r);
+	return ok;
+}
+
 /*
- * The copy kernel of stream-ordered requests (cuda_copy.cu as PTX; the
- * driver compiles it for this device).  Without it stream ops are refused.
+ * The copy kernels (cuda_copy.cu as PTX; the driver compiles it for this
+ * device).  Without them stream ops are refused, and memops_why says why.
  */
 static bool kernel_load(phx_cuda *c)
 {
-	if (c->d->ModuleLoadData(&c->module, cuda_copy_ptx) != CUDA_SUCCESS) {
+	const char *s = NULL;
+	CUresult r;
+
+	r = c->d->ModuleLoadData(&c->module, cuda_copy_ptx);
+	if (r != CUDA_SUCCESS) {
 		c->module = NULL;
+		c->d->GetErrorString(r, &s);
+		snprintf(c->memops_why, sizeof(c->memops_why),
+			 "the driver (CUDA %d.%d) cannot load the copy kernels' PTX (ISA 7.0): CUDA error %d (%s)",
+			 c->d->version / 1000, c->d->version % 1000 / 10, r, s ? s : "?");
 		return false;
 	}
-	if (c->d->ModuleGetFunction(&c->copy_fn, c->module, "phx_copy") != CUDA_SUCCESS) {
+	if (c->d->ModuleGetFunction(&c->desc_fn, c->module, "phx_desc") != CUDA_SUCCESS ||
+	    c->d->ModuleGetFunction(&c->copy_fn, c->module, "phx_copy") != CUDA_SUCCESS) {
 		c->d->ModuleUnload(c->module);
 		c->module = NULL;
+		snprintf(c->memops_why, sizeof(c->memops_why), "the copy kernels are missing from their module");
 		return false;
 	}
 	/*
-	 * Few, wide blocks: every block reads the round's descriptor from host
-	 * memory, and those reads cost ~3.5 us each on an H200 whatever the
-	 * block count does for bandwidth.  Measured there (tools/stream_probe.py,
-	 * one stream, 16 MiB reads from zram): 256 x 256 threads 2.9 GB/s, 64 x
-	 * 512 6.6, 32 x 1024 8.6, 16 x 1024 8.4-8.9, 8 x 1024 9.9 but slower
-	 * writes; a 4 KiB op 1.0 ms at 256 blocks, 0.14 ms at 16.
+	 * With the descriptor in GPU memory the block count hardly matters for
+	 * speed (H200: 8 to 132 blocks of 1024 threads all move 1 MiB at 39
+	 * GB/s, 4 MiB at 47.6): 16 keeps most multiprocessors for the
+	 * caller's kernels.
 	 */
 	c->copy_blocks = 16;
 	c->copy_threads = 1024;
@@ -349,7 +249,7 @@ static bool kernel_load(phx_cuda *c)
 }
 
 /*
- * Does cuMemcpyBatchAsync do what this file declares it to?  Two small
+ * Does cuMemcpyBatchAsync do what cuda_internal.h declares it to?  Two small
  * copies into device memory through it, read back with plain copies: a
  * driver that answers with another signature, or refuses, leaves the
  * context on one copy call per piece.
@@ -360,7 +260,7 @@ static bool batch_copy_works(phx_cuda *c)
 	struct cu_memcpy_attr attr;
 	CUdeviceptr dev = 0, dsts[2], srcs[2];
 	size_t sizes[2] = { 8, 8 }, idx = 0, fail = SIZE_MAX;
-	unsigned char *h = (unsigned char *)(c->flags + PROBE_SLOT + 1);
+	unsigned char *h = (unsigned char *)&c->words->probe[8];
 	CUstream s = NULL;
 	bool ok = false;
 	int i;
@@ -417,6 +317,10 @@ static int staging_map(phx_cuda *c)
 	return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Threads                                                                  */
+/* ------------------------------------------------------------------------ */
+
 struct lane_init {
 	phx_cuda *c;
 	uint32_t index;
@@ -427,14 +331,8 @@ struct lane_init {
 static void *lane_init_main(void *arg)
 {
 	struct lane_init *li = arg;
-	phx_cuda *c = li->c;
 
-	if (c->d->CtxSetCurrent(c->ctx) != CUDA_SUCCESS) {
-		li->ret = cu_err(-ENODEV, "cuCtxSetCurrent (lane setup)");
-	} else {
-		li->ret = lane_setup(c, &c->lanes[li->index], li->index);
-		c->d->CtxSetCurrent(NULL);
-	}
+	li->ret = lane_setup(li->c, &li->c->lanes[li->index], li->index);
 	if (li->ret)
 		cu_err_save(li->err, sizeof(li->err));
 	return NULL;
@@ -442,10 +340,10 @@ static void *lane_init_main(void *arg)
 
 /*
  * Set the lanes up on threads of their own, all at once (faulting their
- * staging in, their engines, streams and events), then register the
- * staging with CUDA once and start the lanes.  A lane whose set-up thread
- * cannot start is set up here.  The first failure by lane order is the one
- * reported; phx_cuda_destroy() frees whatever each lane got.
+ * staging in, their engines), then register the staging with CUDA once.
+ * A lane whose set-up thread cannot start is set up here.  The first
+ * failure by lane order is the one reported; phx_cuda_destroy() frees
+ * whatever each lane got.
  */
 static int lanes_setup(phx_cuda *c, int64_t *t_reg)
 {
@@ -472,7 +370,6 @@ static int lanes_setup(phx_cuda *c, int64_t *t_reg)
 			pthread_join(thr[i], NULL);
 			continue;
 		}
-		/* this thread has the context current already */
 		li[i].ret = lane_setup(c, &c->lanes[i], i);
 		if (li[i].ret)
 			cu_err_save(li[i].err, sizeof(li[i].err));
@@ -487,12 +384,53 @@ static int lanes_setup(phx_cuda *c, int64_t *t_reg)
 	if (!ret)	/* after the lanes' threads have faulted it in */
 		ret = host_map(c, c->stage, c->stage_len, &c->stage_d, &c->stage_registered,
 			       "staging buffers");
-	for (i = 0; i < c->nlanes && !ret; i++)
-		ret = lane_start(c, &c->lanes[i]);
 out:
 	free(li);
 	free(thr);
 	free(started);
+	return ret;
+}
+
+/* The copier's streams and one event per staging buffer (its copies' outcome). */
+static int copier_setup(phx_cuda *c)
+{
+	uint32_t i, k;
+	CUresult r;
+
+	for (i = 0; i < CU_COPY_STREAMS; i++) {
+		r = c->d->StreamCreate(&c->copy_streams[i], CU_STREAM_NON_BLOCKING);
+		if (r != CUDA_SUCCESS) {
+			c->copy_streams[i] = NULL;
+			return cu_fail(c->d, r, "cuStreamCreate (copier)");
+		}
+	}
+	for (i = 0; i < c->nlanes; i++) {
+		for (k = 0; k < c->lanes[i].nbufs; k++) {
+			r = c->d->EventCreate(&c->lanes[i].bufs[k].ev, CU_EVENT_DISABLE_TIMING);
+			if (r != CUDA_SUCCESS) {
+				c->lanes[i].bufs[k].ev = NULL;
+				return cu_fail(c->d, r, "cuEventCreate (staging buffer)");
+			}
+		}
+	}
+	return 0;
+}
+
+static int threads_start(phx_cuda *c)
+{
+	uint32_t i;
+	int ret = 0;
+
+	c->poller_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	c->copier_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (c->poller_efd < 0 || c->copier_efd < 0)
+		return cu_err(-errno, "eventfd: %s", strerror(errno));
+	for (i = 0; i < c->nlanes && !ret; i++)
+		ret = lane_start(c, &c->lanes[i]);
+	if (!ret)
+		ret = copier_start(c);
+	if (!ret)
+		ret = poller_start(c);
 	return ret;
 }
 
@@ -509,8 +447,8 @@ static void setup_trace(const phx_cuda *c, const int64_t *t)
 			c->stage_node_err == -ENOENT ? "the device's node is unknown" :
 			c->stage_node_err == -ENOSYS ? "no cuDeviceGetPCIBusId" :
 			strerror(-c->stage_node_err));
-	fprintf(stderr, "phx-trace create us: flags %lld probes+kernel %lld batch-copy+map %lld "
-		"lanes %lld staging-register+start %lld\n", (long long)(t[1] - t[0]) / 1000,
+	fprintf(stderr, "phx-trace create us: slots %lld probes+kernels %lld batch-copy+map %lld "
+		"lanes %lld staging-register+threads %lld\n", (long long)(t[1] - t[0]) / 1000,
 		(long long)(t[2] - t[1]) / 1000, (long long)(t[3] - t[2]) / 1000,
 		(long long)(t[4] - t[3]) / 1000, (long long)(t[5] - t[4]) / 1000);
 	for (i = 0; i < c->nlanes; i++) {
@@ -519,8 +457,10 @@ static void setup_trace(const phx_cuda *c, const int64_t *t)
 		fprintf(stderr, "phx-trace lane %u us: start %lld", i, (long long)(l[0] - t[3]) / 1000);
 		for (k = 1; k < LANE_SETUP_STEPS; k++)
 			fprintf(stderr, " %lld", l[k] ? (long long)(l[k] - l[k - 1]) / 1000 : -1LL);
-		fprintf(stderr, " (populate engine uring-register stream+events)\n");
+		fprintf(stderr, " (populate engine uring-register)\n");
 	}
+	if (!c->memops)
+		fprintf(stderr, "phx-trace stream ops unavailable: %s\n", c->memops_why);
 }
 
 static int ctx_setup(phx_cuda *c)
@@ -529,22 +469,27 @@ static int ctx_setup(phx_cuda *c)
 	int ret;
 
 	t[0] = phx_now_ns();
-	ret = flags_setup(c);
+	ret = slots_setup(c);
 	if (ret)
 		return ret;
 	t[1] = phx_now_ns();
-	c->memops = !(c->cfg.flags & PHX_CUDA_NO_MEMOPS) && memops_work(c) && kernel_load(c);
+	if (c->cfg.flags & PHX_CUDA_NO_MEMOPS)
+		snprintf(c->memops_why, sizeof(c->memops_why), "turned off (PHX_CUDA_NO_MEMOPS)");
+	else
+		c->memops = memops_work(c) && kernel_load(c);
 	c->early_reads = c->memops && (c->cfg.flags & PHX_CUDA_EARLY_READS);
-	/*
-	 * Half the staging at most for reads the stream has not reached, so
-	 * that work ahead of them on their streams always finds buffers (a
-	 * context of one buffer has no early reads: early_max 0).
-	 */
-	c->early_max = c->cfg.lanes * c->cfg.bufs_per_lane / 2;
 	t[2] = phx_now_ns();
 	c->batch_copy = !(c->cfg.flags & PHX_CUDA_NO_BATCH_COPY) && batch_copy_works(c);
 	c->fixed_bufs = !(c->cfg.flags & PHX_CUDA_NO_FIXED_BUFS);
 	c->nlanes = c->cfg.lanes;
+	c->nbufs = c->cfg.lanes * c->cfg.bufs_per_lane;
+	/*
+	 * Classes (cuda_internal.h): an eighth of the staging (one buffer at
+	 * least) only arrived stream ops may take; early reads hold half at
+	 * most (none in a context of one buffer).
+	 */
+	c->reserve = c->nbufs / 8 ? c->nbufs / 8 : 1;
+	c->early_max = c->nbufs / 2;
 	c->lanes = calloc(c->nlanes, sizeof(*c->lanes));
 	if (!c->lanes)
 		return cu_err(-ENOMEM, "out of memory");
@@ -554,14 +499,34 @@ static int ctx_setup(phx_cuda *c)
 	c->stage_node_err = cu_staging_bind(c);	/* best effort: cuda_numa.c */
 	t[3] = phx_now_ns();
 	ret = lanes_setup(c, &t[4]);
+	if (!ret)
+		ret = copier_setup(c);
+	if (!ret)
+		ret = threads_start(c);
 	if (ret)
 		return ret;
 	t[5] = phx_now_ns();
 	if (c->trace)
 		setup_trace(c, t);
-	c->st.staging_bytes = (uint64_t)c->nlanes * c->cfg.bufs_per_lane * c->cfg.buf_size;
-	c->st.pinned_bytes = c->st.staging_bytes + FLAGS_BYTES + DESCS_BYTES;
+	c->st.staging_bytes = (uint64_t)c->nbufs * c->cfg.buf_size;
+	c->st.pinned_bytes = c->st.staging_bytes + WORDS_BYTES + DESCS_BYTES;
 	return 0;
+}
+
+static void ctx_locks_init(phx_cuda *c)
+{
+	pthread_mutex_init(&c->lock, NULL);
+	pthread_mutex_init(&c->done_lock, NULL);
+	pthread_cond_init(&c->done_cond, NULL);
+	pthread_cond_init(&c->slot_cond, NULL);
+}
+
+static void ctx_locks_destroy(phx_cuda *c)
+{
+	pthread_mutex_destroy(&c->lock);
+	pthread_mutex_destroy(&c->done_lock);
+	pthread_cond_destroy(&c->done_cond);
+	pthread_cond_destroy(&c->slot_cond);
 }
 
 CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg,
@@ -594,12 +559,11 @@ CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg
 	}
 	c->d = d;
 	c->stage_node = -1;
+	c->poller_efd = c->copier_efd = -1;
 	c->trace = phx_env_u32("PHX_CUDA_TRACE", 0) != 0;
+	c->queue_wait_ms = phx_env_u32("PHX_CUDA_QUEUE_WAIT_MS", 30000);
 	c->eng = eng;
-	pthread_mutex_init(&c->lock, NULL);
-	pthread_mutex_init(&c->done_lock, NULL);
-	pthread_cond_init(&c->done_cond, NULL);
-	pthread_mutex_init(&c->st_lock, NULL);
+	ctx_locks_init(c);
 	if (c->cfg.device < 0 || c->cfg.device >= d->ndev) {
 		ret = cu_err(-ENODEV, "CUDA device %d does not exist (%d present)",
 			     c->cfg.device, d->ndev);
@@ -634,19 +598,21 @@ CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg
 	return 0;
 
 fail_free:
-	pthread_mutex_destroy(&c->lock);
-	pthread_mutex_destroy(&c->done_lock);
-	pthread_cond_destroy(&c->done_cond);
-	pthread_mutex_destroy(&c->st_lock);
+	ctx_locks_destroy(c);
 	free(c);
 	return ret;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Destroy                                                                  */
+/* ------------------------------------------------------------------------ */
+
 /*
  * Wait until every request has finished, including stream operations whose
- * streams have not reached them yet: their waits, kernels and host functions
- * refer to this context's memory, so it can only go once the stream has run
- * the last of them (a stream op is released by its final host function).
+ * streams have not reached them yet: their waits, kernels and words refer
+ * to this context's memory, so it can only go once the stream has passed
+ * the last of them.  A dead context (the copier's health check) has the
+ * poller end them instead.
  */
 static void wait_idle(phx_cuda *c)
 {
@@ -671,6 +637,41 @@ static void files_drop(phx_cuda *c)
 	}
 }
 
+/* What the GPU side holds: unpinned and freed, unless an orphan's stream may still read it. */
+static void gpu_memory_free(phx_cuda *c)
+{
+	const struct cu_driver *d = c->d;
+	uint32_t i, k;
+
+	for (i = 0; i < CU_COPY_STREAMS; i++)
+		if (c->copy_streams[i]) {
+			d->StreamSynchronize(c->copy_streams[i]);
+			d->StreamDestroy(c->copy_streams[i]);
+		}
+	for (i = 0; c->lanes && i < c->nlanes; i++)
+		for (k = 0; c->lanes[i].bufs && k < c->lanes[i].nbufs; k++)
+			if (c->lanes[i].bufs[k].ev)
+				d->EventDestroy(c->lanes[i].bufs[k].ev);
+	if (c->stage_registered)
+		d->MemHostUnregister(c->stage);
+	while (c->nev_free)
+		d->EventDestroy(c->ev_free[--c->nev_free]);
+	if (c->orphans) {
+		/* documented in phx_cuda.h: kept, never reused */
+		c->words = NULL;
+		c->descs = NULL;
+		return;
+	}
+	if (c->words_registered)
+		d->MemHostUnregister(c->words);
+	if (c->descs_registered)
+		d->MemHostUnregister(c->descs);
+	if (c->descs_gpu)
+		d->MemFree(c->descs_gpu);
+	if (c->module)
+		d->ModuleUnload(c->module);
+}
+
 CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 {
 	struct cu_req *rq;
@@ -679,44 +680,37 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 	if (!c)
 		return 0;
 	wait_idle(c);
+	poller_stop(c);
+	copier_stop(c);
+	for (i = 0; c->lanes && i < c->nlanes; i++)
+		lane_stop(c, &c->lanes[i]);
+	files_drop(c);	/* registered ones: their lane files first */
 	if (ctx_push(c) == 0) {
-		for (i = 0; c->lanes && i < c->nlanes; i++)
-			lane_stop(c, &c->lanes[i]);
-		files_drop(c);	/* registered ones: their lane files first */
-		for (i = 0; c->lanes && i < c->nlanes; i++)
-			lane_free(c, &c->lanes[i]);
-		if (c->stage_registered)
-			c->d->MemHostUnregister(c->stage);
-		while (c->nev_free)
-			c->d->EventDestroy(c->ev_free[--c->nev_free]);
-		if (c->flags_registered)
-			c->d->MemHostUnregister(c->flags);
-		if (c->descs_registered)
-			c->d->MemHostUnregister(c->descs);
-		if (c->module)
-			c->d->ModuleUnload(c->module);
+		gpu_memory_free(c);	/* the buffers' events: before the lanes' buffers go */
 		ctx_pop(c);
 	}
+	for (i = 0; c->lanes && i < c->nlanes; i++)
+		lane_free(c, &c->lanes[i]);
 	if (c->stage)
 		munmap(c->stage, c->stage_len);
-	if (c->flags)
-		munmap(c->flags, FLAGS_BYTES);
+	if (c->words)
+		munmap(c->words, WORDS_BYTES);
 	if (c->descs)
 		munmap(c->descs, DESCS_BYTES);
 	while ((rq = c->free_reqs)) {
 		c->free_reqs = rq->next;
 		free(rq);
 	}
-	free(c->desc_free);
+	if (c->poller_efd >= 0)
+		close(c->poller_efd);
+	if (c->copier_efd >= 0)
+		close(c->copier_efd);
 	free(c->ev_free);
 	free(c->slot_free);
 	free(c->slot_seq);
 	free(c->lanes);
 	c->d->DevicePrimaryCtxRelease(c->dev);
-	pthread_mutex_destroy(&c->lock);
-	pthread_mutex_destroy(&c->done_lock);
-	pthread_cond_destroy(&c->done_cond);
-	pthread_mutex_destroy(&c->st_lock);
+	ctx_locks_destroy(c);
 	free(c);
 	return 0;
 }

@@ -1,18 +1,27 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * cuda_copy.cu - the copy kernel of stream-ordered requests.
+ * cuda_copy.cu - the copy kernels of stream-ordered requests.
  *
  * A stream-ordered request queues all of its GPU work when it is submitted:
- * per staging round a wait on a pinned flag, this kernel, and a host
- * function.  The lengths are not known then (cuFile semantics: the size and
- * offsets are read when the stream gets there, and end of file is judged
- * then), so the kernel reads them from a descriptor in pinned, device-mapped
- * host memory that a lane writes before it raises the flag.  The lanes thus
- * make no CUDA call for stream-ordered requests, and no other thread's
- * device-synchronising call (cudaFree, a growing allocator) can wedge them.
+ * per staging round a wait on a pinned flag, these two kernels and a write
+ * of a pinned progress word (cuda_stream.c).  The lengths are not known
+ * then (cuFile semantics: the size and offsets are read when the stream
+ * gets there, and end of file is judged then), so the kernels read them
+ * from a descriptor a lane or the poller writes into pinned host memory
+ * before it raises the flag; no thread makes a CUDA call for the request
+ * after submission.
  *
- * Built into PTX (cuda_copy_ptx.h, committed) with tools/gen_cuda_ptx.sh;
- * the driver compiles the PTX for the device when a context loads it.
+ * phx_desc copies the descriptor into GPU memory with one warp; phx_copy
+ * reads it from there.  Why two: when every block of the copy read the
+ * pinned descriptor itself, each block paid ~3 us for it, one block after
+ * the other (an H200: 1 MiB through 64 blocks at 4.9 GB/s, 8 blocks 25 GB/s;
+ * through phx_desc 39 GB/s at any block count, 47.6 at 4 MiB, 50.8 at
+ * 32 MiB; tools/stream_micro.cu).
+ *
+ * Built into PTX (cuda_copy_ptx.h, committed) with tools/gen_cuda_ptx.sh,
+ * which declares the oldest PTX ISA the code needs (7.0), so that drivers
+ * back to CUDA 11.0 (R450) compile it for the device when a context loads
+ * it; nvcc 13 would stamp ISA 9.0, which only R580 and later accept.
  */
 struct phx_copy_desc {
 	unsigned long long src;
@@ -21,11 +30,19 @@ struct phx_copy_desc {
 	unsigned long long pad;
 };
 
+extern "C" __global__ void phx_desc(const phx_copy_desc *host, phx_copy_desc *dev)
+{
+	/* volatile: written by the host after this launch was queued */
+	if (threadIdx.x < 4)
+		((unsigned long long *)dev)[threadIdx.x] =
+			((const volatile unsigned long long *)host)[threadIdx.x];
+}
+
 /*
  * Bytes [0, len) in steps of T (a power of two up to 16) from src to dst, which
  * agree modulo T; every thread keeps four loads in flight before it stores,
- * since the source of a read is host memory across PCIe (each load a round
- * trip of a microsecond or so).
+ * since one side is host memory across PCIe (each load a round trip of a
+ * microsecond or so).
  */
 template <typename T>
 __device__ void copy_as(unsigned long long src, unsigned long long dst,
@@ -59,27 +76,10 @@ __device__ void copy_as(unsigned long long src, unsigned long long dst,
 
 extern "C" __global__ void phx_copy(const phx_copy_desc *d)
 {
-	/*
-	 * The descriptor lives in host memory: one thread per block reads it
-	 * (volatile: a lane wrote it after the launch was queued).  Reading it
-	 * in every thread cost ~6 ms per launch on an H200, whatever the size.
-	 */
-	__shared__ unsigned long long sd[3];
 	unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
 	unsigned long long nth = (unsigned long long)gridDim.x * blockDim.x;
-	unsigned long long src, dst, len;
+	unsigned long long src = d->src, dst = d->dst, len = d->len;
 
-	if (threadIdx.x == 0) {
-		const volatile phx_copy_desc *vd = d;
-
-		sd[0] = vd->src;
-		sd[1] = vd->dst;
-		sd[2] = vd->len;
-	}
-	__syncthreads();
-	src = sd[0];
-	dst = sd[1];
-	len = sd[2];
 	if (!len)
 		return;
 	if (((src ^ dst) & 15) == 0)
@@ -93,7 +93,8 @@ extern "C" __global__ void phx_copy(const phx_copy_desc *d)
 	/*
 	 * No __threadfence_system(): a write's bytes land in pinned host memory,
 	 * and what a kernel wrote is visible to the stream's next operation (the
-	 * host function that hands the buffer to the file) once it completes.
-	 * The fence in every thread cost ~0.9 ms a launch on an H200.
+	 * progress word whose write the poller sees before the lane writes the
+	 * file) once it completes.  The fence in every thread cost ~0.9 ms a
+	 * launch on an H200.
 	 */
 }

@@ -9,7 +9,8 @@
  * cuGetProcAddress for the 12.8 ABI, so newer drivers keep answering with
  * the signature declared here, and the lanes fall back to one copy call per
  * piece without it.  cuDeviceGetPCIBusId is optional too: it only finds
- * the GPU's NUMA node for the staging (cuda_context.c).
+ * the GPU's NUMA node for the staging (cuda_numa.c); so are the graph
+ * capture calls (a stream that is being captured is refused with them).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -129,6 +130,7 @@ static void drv_load(void)
 	SYM(StreamQuery, "cuStreamQuery");
 	SYM(StreamWaitEvent, "cuStreamWaitEvent");
 	SYM(StreamWaitValue32, "cuStreamWaitValue32_v2");
+	SYM(StreamWriteValue32, "cuStreamWriteValue32_v2");
 	SYM(EventCreate, "cuEventCreate");
 	SYM(EventDestroy, "cuEventDestroy_v2");
 	SYM(EventRecord, "cuEventRecord");
@@ -152,6 +154,10 @@ static void drv_load(void)
 #undef SYM
 	/* optional: without it staging is not placed on the GPU's NUMA node */
 	*(void **)&drv.DeviceGetPCIBusId = dlsym(h, "cuDeviceGetPCIBusId");
+	/* optional (CUDA 10+): graph capture is then not detected, nor avoided */
+	*(void **)&drv.StreamIsCapturing = dlsym(h, "cuStreamIsCapturing");
+	*(void **)&drv.ThreadExchangeStreamCaptureMode =
+		dlsym(h, "cuThreadExchangeStreamCaptureMode");
 	r = drv.Init(0);
 	if (r != CUDA_SUCCESS) {
 		drv_err = -ENODEV;

@@ -2,21 +2,43 @@
 /*
  * cuda_internal.h - state shared by the cuda_*.c files; not installed.
  *
- * The GPU path in five files, one concern each:
- *   cuda_driver.c   libcuda loaded at run time (no CUDA headers), errors
- *   cuda_context.c  contexts: configuration, pinned staging, lanes' setup,
- *                   completion-flag slots, pools, destroy
- *   cuda_request.c  a request's whole life cycle, from submission to the
- *                   published result (read that file first)
- *   cuda_lanes.c    lane threads: pieces of requests through staging buffers
- *                   (file I/O on the lane's io_uring, copies on its stream)
- *   cuda_api.c      the public request calls and counters
+ * The GPU path in floors.  Each file calls only the floors below it; the
+ * threads of floor 3 never call each other: they hand work over through
+ * the queues of floor 1 and wake each other with its wakers.
  *
- * Locks.  c->lock guards the ready queue, the sleeping lanes, the file
- * entries and the pools; c->done_lock guards c->live and host waiters.  The
- * order is c->lock, then c->done_lock.  Neither is ever held across a CUDA
- * call or file I/O: a CUDA call may block (a full stream command queue)
- * until lanes make progress, and CUDA's callback thread takes c->lock.
+ *   5  cuda_api.c      the public request calls and counters
+ *   4  cuda_context.c  contexts: configuration, pinned memory, threads,
+ *                      destroy
+ *   3  cuda_lanes.c    I/O lanes: file I/O into and out of staging (io_uring);
+ *                      they make NO CUDA call
+ *      cuda_copier.c   the copier: host-async copies between staging and the
+ *                      GPU on its own streams, and the context's health check
+ *      cuda_poller.c   the poller: watches the progress words the callers'
+ *                      streams write (arrival, rounds done) and acts on them;
+ *                      NO CUDA call
+ *   2b cuda_stream.c   a stream-ordered request: its GPU program, its rounds,
+ *                      the arrival (arguments read, early reads judged), flags
+ *   2a cuda_request.c  every request's life cycle: arguments, pieces, results,
+ *                      publication, release; file entries
+ *   1  cuda_pools.c    what requests draw from: staging-buffer classes, events,
+ *                      stream slots (flags, progress words, descriptor rings),
+ *                      request records; wakers; counters
+ *      cuda_numa.c     where staging memory goes (the GPU's NUMA node)
+ *   0  cuda_driver.c   libcuda loaded at run time (no CUDA headers), errors
+ *
+ * Why the threads are split so.  A thread that raises a stream's flag must
+ * never make a CUDA call: a device-synchronising call in another thread
+ * (cudaFree, a growing allocator) blocks every CUDA call until all streams
+ * are idle, and the caller's stream is waiting for that flag.  So the lanes
+ * and the poller, which raise flags, make none; the copier, which makes them,
+ * raises none.  Staging buffers are drawn in classes (enum sb_class) so that
+ * work that can wait on a stream (host-async copies after a producer stream,
+ * early reads) can never hold the buffers an arrived stream op needs.
+ *
+ * Locks.  c->lock guards the queues, the buffers' states and classes, the
+ * file entries and the pools; c->done_lock guards c->live and host waiters.
+ * The order is c->lock, then c->done_lock, then an inode's lock (inode.c).
+ * None is ever held across a CUDA call or file I/O.
  */
 #ifndef PHX_CUDA_INTERNAL_H
 #define PHX_CUDA_INTERNAL_H
@@ -34,11 +56,11 @@
 #define CU_MAX_BUFS 1024u	/* lanes * bufs_per_lane */
 #define CU_MAX_PIECES 64u	/* request pieces packed into one staging buffer */
 #define CU_SLOTS 4096u		/* stream operations in flight per context */
-#define CU_DESCS 16384u		/* copy descriptors (stream-op rounds) in flight */
-#define CU_MAX_STAGES 4096u	/* staging rounds of one stream operation */
+#define CU_RING 8u		/* copy descriptors per stream op, reused round after round */
+#define CU_COPY_STREAMS 4u	/* the copier's streams */
 
 /* ------------------------------------------------------------------------ */
-/* The driver API, declared by hand (cuda_driver.c)                         */
+/* Floor 0: the driver API, declared by hand (cuda_driver.c)                */
 /* ------------------------------------------------------------------------ */
 
 typedef int CUresult;
@@ -56,16 +78,20 @@ enum {
 	CUDA_ERROR_INVALID_VALUE = 1,
 	CUDA_ERROR_OUT_OF_MEMORY = 2,
 	CUDA_ERROR_NOT_READY = 600,
+	CUDA_ERROR_NOT_SUPPORTED = 801,
 	CU_STREAM_NON_BLOCKING = 1,
 	CU_EVENT_DISABLE_TIMING = 2,
 	CU_MEMHOSTREGISTER_PORTABLE = 1,
 	CU_MEMHOSTREGISTER_DEVICEMAP = 2,
 	CU_STREAM_WAIT_VALUE_GEQ = 0,
+	CU_STREAM_WRITE_VALUE_DEFAULT = 0,
 	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
 	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
 	CU_MEMORYTYPE_DEVICE = 2,
 	CU_MEMORYTYPE_UNIFIED = 4,
 	CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
+	CU_STREAM_CAPTURE_STATUS_NONE = 0,
+	CU_STREAM_CAPTURE_MODE_RELAXED = 2,
 };
 
 /* CUmemLocation and CUmemcpyAttributes (cuda.h 12.8+) */
@@ -99,6 +125,7 @@ struct cu_driver {
 	CUresult (*StreamQuery)(CUstream);
 	CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
 	CUresult (*StreamWaitValue32)(CUstream, CUdeviceptr, uint32_t, unsigned);
+	CUresult (*StreamWriteValue32)(CUstream, CUdeviceptr, uint32_t, unsigned);
 	CUresult (*EventCreate)(CUevent *, unsigned);
 	CUresult (*EventDestroy)(CUevent);
 	CUresult (*EventRecord)(CUevent, CUstream);
@@ -125,8 +152,10 @@ struct cu_driver {
 				     size_t *sizes, size_t count,
 				     struct cu_memcpy_attr *attrs, size_t *attr_idxs,
 				     size_t nattrs, size_t *fail_idx, CUstream s);
-	/* optional (staging's NUMA node only), else NULL */
-	CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);
+	/* optional, else NULL */
+	CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);	/* staging's NUMA node */
+	CUresult (*StreamIsCapturing)(CUstream, int *);		/* refuse graph capture */
+	CUresult (*ThreadExchangeStreamCaptureMode)(int *);	/* the copier: relaxed */
 };
 
 /* The driver table once libcuda is loaded, else NULL (and the reason set). */
@@ -142,159 +171,12 @@ void cu_err_save(char *buf, size_t len);
 void cu_err_restore(const char *buf);
 
 /* ------------------------------------------------------------------------ */
-/* Requests (cuda_request.c)                                                */
+/* Shared records                                                           */
 /* ------------------------------------------------------------------------ */
 
-enum rq_state {
-	RQ_WAITING,	/* stream op: queued on the caller's stream, not reached */
-	RQ_ARRIVED,	/* the stream reached it: its arguments are to be read */
-	RQ_READY,	/* on the ready queue with pieces left to hand out */
-	RQ_CUT,		/* every piece handed to a lane; pieces in flight */
-	RQ_DONE,
-};
-
-/* A file as the GPU path uses it: held, and adopted once per lane. */
-struct cu_file {
-	struct cu_file *next;		/* c->files */
-	phx_file *f;			/* the caller's file (held) */
-	int fd;
-	bool direct;
-	uint32_t align;			/* staging congruence: 1, or >= 512 */
-	uint32_t refs;			/* requests + registrations (c->lock) */
-	uint32_t registrations;
-	/* early reads: writes through this context queued, not yet in the file */
-	uint32_t writes_live;		/* c->lock */
-	uint32_t write_gen;		/* bumped by every write accepted (c->lock) */
-	phx_file *lf[];			/* per lane; created and used by that lane */
-};
-
-/*
- * One staging round of a stream-ordered request: queued at submission on
- * the caller's stream as "wait for the flag to reach seq + 1 + index", the
- * copy kernel on the descriptor, a host function (stage_done_fn).
- */
-struct cu_stage {
-	struct cu_req *rq;
-	struct cu_sbuf *b;		/* its staging buffer, or NULL (no bytes) */
-	uint32_t index;
-	uint32_t desc;			/* descriptor slot */
-	bool ready;			/* descriptor written (c->lock) */
-	int gpu_done;			/* the kernel ran (host function) */
-};
-
-/* What the copy kernel reads (cuda_copy.cu), in pinned device-mapped memory. */
-struct cu_copy_desc {
-	uint64_t src, dst, len, pad;
-};
-
-/* An event on a producer stream that host-async copies wait for. */
-struct cu_after {
-	CUevent ev;
-	int refs;			/* atomic */
-};
-
-/*
- * Early reads (PHX_CUDA_EARLY_READS): a stream read's file I/O begins when
- * it is queued, on the arguments as they are then; when the stream arrives
- * the arguments are read again and the early pieces are used only if
- * nothing changed (enum early_state).
- */
-enum early_state {
-	E_NONE,		/* not early (or fallen back: an ordinary stream op) */
-	E_PENDING,	/* early pieces may be cut and read; not yet judged */
-	E_OK,		/* judged at arrival: the early pieces stand */
-	E_BAD,		/* judged: thrown away; read again once they are back */
-};
-
-/* stream-op milestones, printed at release when PHX_CUDA_TRACE=1 */
-enum rq_trace_point {
-	TR_QUEUED, TR_ARRIVED, TR_RESOLVED, TR_FILL0, TR_FLAG0, TR_DONE0, TR_FINAL,
-	TR_RELEASE, RQ_TRACE_N
-};
-
-struct cu_req {
-	struct cu_req *next;		/* ready queue / free list (c->lock) */
-	phx_cuda *c;
-	struct phx_cuda_io *io;		/* the caller's, or owned */
-	struct cu_file *cf;
-	struct cu_after *after;
-	uint8_t state;			/* enum rq_state */
-	uint8_t op;
-	bool owned;			/* io is ours: free it at the end */
-	bool stream_op;
-	bool io_args;			/* stream op: arguments are io's fields */
-	bool wtracked;			/* a write counted in cf->writes_live */
-	/* early reads (c->lock): see enum early_state */
-	uint8_t e_state;
-	bool e_queued;			/* on c->early_head */
-	bool e_cut;			/* every piece was handed out early */
-	uint32_t e_live;		/* staging buffers holding its early pieces */
-	uint32_t e_gen;			/* cf->write_gen when it began */
-	uint32_t e_epoch;		/* c->early_epoch when it began */
-	int64_t e_size, e_ctime_ns;	/* the file (fstat) when it began */
-	struct cu_req *e_next;		/* c->early_head */
-	/* stream ops: read when the stream reaches the operation */
-	const size_t *size_p;
-	const int64_t *foff_p, *boff_p;
-	uint64_t base;
-	int64_t *bytes_done;
-	uint32_t slot, seq;		/* the flag the caller's stream waits on */
-	struct cu_stage *stages;	/* one per staging round queued */
-	uint32_t nstages;
-	uint32_t stage_next;		/* next round to cut (c->lock) */
-	uint32_t prefix;		/* rounds whose flag is raised (c->lock) */
-	uint32_t raised;		/* flag value stored last (c->lock) */
-	uint32_t needed;		/* rounds that carry bytes, once cut */
-	int written;			/* stream writes: rounds in the file */
-	bool publish_claimed;		/* c->lock */
-	uint64_t alloc_lo, alloc_hi;	/* the GPU allocation, found at submission */
-	/* resolved arguments */
-	uint64_t devptr, off, len, end;
-	uint64_t cursor;		/* next file offset to hand out (c->lock) */
-	int pieces;			/* pieces not finished, +1 until RQ_CUT */
-	/* outcome, updated atomically by the lanes */
-	int64_t err;
-	uint64_t short_end;		/* lowest end of a short read */
-	uint64_t direct_bytes, bounce_bytes, buffered_bytes;
-	uint32_t paths;
-	/* PHX_CUDA_TRACE=1: stream-op milestones (phx_now_ns), see rq_trace() */
-	int64_t trace[RQ_TRACE_N];
-};
-
-int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
-	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out);
-int rq_stream(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f,
-	      uint32_t op, uint64_t base, const size_t *size_p,
-	      const int64_t *foff_p, const int64_t *boff_p, int64_t *bytes_done,
-	      CUstream s);
-void rq_queue(phx_cuda *c, struct cu_req **rqs, size_t n);
-int rq_resolve(struct cu_req *rq);
-struct cu_piece;
-bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
-	    bool first);
-void rq_piece_io(struct cu_piece *p);
-void rq_piece_done(struct cu_piece *p);
-void rq_piece_done_ref(struct cu_req *rq);
-void rq_piece_done_n(struct cu_req *rq, int n);
-void rq_abandon(struct cu_req *rq, int err);
-void rq_fail(struct cu_req *rq, int64_t err);
-void rq_finish(struct cu_req *rq);
-void rq_stage_fill(struct cu_stage *st, struct cu_piece *p, uint64_t staging_d);
-void rq_stages_advance(struct cu_req *rq);
-void rq_trace(struct cu_req *rq, int pt);
-void rq_stage_written(struct cu_stage *st, struct cu_piece *p);
-void rq_stages_cut_done_locked(struct cu_req *rq);
-void rq_early_unlink_locked(struct cu_req *rq);
-void ready_push_tail_locked(phx_cuda *c, struct cu_req *rq);
-void ready_push_head_locked(phx_cuda *c, struct cu_req *rq);
-void rq_early_restart_locked(struct cu_req *rq);
-struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
-void cf_put(phx_cuda *c, struct cu_file *cf);
-int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
-
-/* ------------------------------------------------------------------------ */
-/* Lanes (cuda_lanes.c)                                                     */
-/* ------------------------------------------------------------------------ */
+typedef struct phx_cuda phx_cuda;
+struct cu_req;
+struct cu_lane;
 
 /* A part of one request that fits one staging buffer. */
 struct cu_piece {
@@ -312,30 +194,269 @@ struct cu_piece {
 enum sb_state {
 	SB_FREE,
 	SB_IO,		/* file I/O in flight (read: first; write: last) */
-	SB_COPY,	/* copies in flight on the lane's stream */
-	SB_GPU,		/* stream-op round: waiting for its kernel's host function */
-	SB_HELD,	/* early read done: waiting for its request to be judged */
+	SB_COPY,	/* host-async: queued for or in the copier */
+	SB_GPU,		/* stream round: waiting for its kernel on the caller's stream */
+	SB_HELD,	/* early round read: waiting for its request to be judged */
+	SB_BACK,	/* handed back to the lane (on its inbox): file write next */
 };
 
-struct cu_lane;
+/* Who holds a buffer (struct phx_cuda.cls_held); see the top of this file. */
+enum sb_class {
+	SBC_NONE,
+	SBC_STREAM,	/* an arrived stream op: any free buffer */
+	SBC_HOST,	/* host-async: at most nbufs - reserve, with early */
+	SBC_EARLY,	/* an early read: at most early_max */
+	SBC_COUNT,
+};
 
 struct cu_sbuf {
-	struct cu_lane *ln;
+	struct cu_lane *ln;		/* owner: only it starts file I/O on it */
 	char *mem;
-	uint8_t state;
+	CUdeviceptr mem_d;		/* the same memory, as the GPU sees it */
+	uint8_t state;			/* enum sb_state (c->lock for hand-overs) */
 	uint8_t op;
+	uint8_t cls;			/* enum sb_class */
 	bool early;			/* an early read's round (c->lock) */
 	uint32_t fill, npieces, ios_left;
+	struct cu_round *round;		/* a stream op's round: its one piece */
+	struct cu_sbuf *next;		/* lane inbox / copier queue (c->lock) */
+	/* the copier's */
 	CUevent ev;			/* recorded after the copies */
-	int copied;			/* set by the lane stream's host function */
-	struct cu_stage *stage;		/* a stream-op round: its one piece */
-	int64_t started_ns;		/* when the copies were queued */
+	int copied;			/* set by the copier stream's host function */
+	int64_t started_ns;
 	struct cu_piece pieces[CU_MAX_PIECES];
 };
 
+/* A file as the GPU path uses it: held, and adopted once per lane. */
+struct cu_file {
+	struct cu_file *next;		/* c->files */
+	phx_file *f;			/* the caller's file (held) */
+	int fd;
+	bool direct;
+	bool early_ok;			/* early reads may be sound here (see cuda_stream.c) */
+	uint32_t align;			/* staging congruence: 1, or >= 512 */
+	uint32_t refs;			/* requests + registrations (c->lock) */
+	uint32_t registrations;
+	phx_file *lf[];			/* per lane; created and used by that lane */
+};
+
+/* What the copy kernels read (cuda_copy.cu): in pinned memory, then the GPU's. */
+struct cu_copy_desc {
+	uint64_t src, dst, len, pad;
+};
+
+/* An event on a producer stream that host-async copies wait for. */
+struct cu_after {
+	CUevent ev;
+	int refs;			/* atomic */
+};
+
+/* ------------------------------------------------------------------------ */
+/* Floor 1: pools, wakers, counters (cuda_pools.c)                          */
+/* ------------------------------------------------------------------------ */
+
+/* The progress words of stream slots: pinned, device-mapped (see cuda_stream.c). */
+struct cu_words {
+	uint32_t flag[CU_SLOTS];	/* the host raises: rounds the stream may run */
+	uint32_t arrive[CU_SLOTS];	/* the stream writes its op's seq on arrival */
+	uint32_t done[CU_SLOTS];	/* the stream writes seq + 1 + k after round k */
+	uint32_t probe[64];		/* creation-time probes */
+};
+
+void waker_kick(int efd);
+/* Any thread: wake up to @want lanes sleeping with a free buffer / every lane. */
+void lanes_wake(phx_cuda *c, uint32_t want);
+void lanes_kick(phx_cuda *c);
+/* Hand @b back to its lane (c->lock held): it starts the buffer's file I/O. */
+void lane_give_back_locked(phx_cuda *c, struct cu_sbuf *b);
+/* Queue @b for the copier (c->lock held); it is kicked. */
+void copier_push_locked(phx_cuda *c, struct cu_sbuf *b);
+/* A stream op was queued: the poller watches its words from now on (any thread). */
+void poller_add(phx_cuda *c, struct cu_req *rq);
+int ev_get(phx_cuda *c, CUevent *ev);
+void ev_put(phx_cuda *c, CUevent ev);
+/* A slot for one stream op, waiting (bounded) while all are in flight. */
+int slot_get(phx_cuda *c, uint32_t need, uint32_t *slot, uint32_t *seq);
+void slot_put_locked(phx_cuda *c, uint32_t slot);
+struct cu_copy_desc *slot_desc(phx_cuda *c, uint32_t slot, uint32_t round);
+/* Staging classes (c->lock held): may @cls take one more buffer? */
+bool cls_may_take_locked(const phx_cuda *c, uint8_t cls);
+void cls_take_locked(phx_cuda *c, struct cu_sbuf *b, uint8_t cls);
+void cls_drop_locked(phx_cuda *c, struct cu_sbuf *b);
+struct cu_req *rq_record_get(phx_cuda *c);
+void rq_record_put_locked(phx_cuda *c, struct cu_req *rq);
+void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
+int ctx_push(phx_cuda *c);
+void ctx_pop(phx_cuda *c);
+/* Staging placement helpers, exposed for tests/gpu_fake/cuda_fake_test.c. */
+int cu_pci_sysfs_name(const char *bus_id, char *out, size_t len);
+int cu_node_list_count(const char *list);
+/* Bind c->stage to the GPU's NUMA node before it is faulted in: 0 or -errno (cuda_numa.c). */
+int cu_staging_bind(phx_cuda *c);
+
+/* ------------------------------------------------------------------------ */
+/* Floor 2a: requests (cuda_request.c)                                      */
+/* ------------------------------------------------------------------------ */
+
+enum rq_state {
+	RQ_WAITING,	/* stream op: queued on the caller's stream, not reached */
+	RQ_READY,	/* on a ready queue with pieces left to hand out */
+	RQ_CUT,		/* every piece handed out; pieces in flight */
+	RQ_DONE,
+};
+
+/* Early reads: see cuda_stream.c. */
+enum early_state {
+	E_NONE,		/* not early (or fallen back: an ordinary stream op) */
+	E_PENDING,	/* early pieces may be cut and read; not yet judged */
+	E_OK,		/* judged at arrival: the early pieces stand */
+	E_BAD,		/* judged: thrown away; read again once they are back */
+};
+
+/* One staging round of a stream op (cuda_stream.c). */
+struct cu_round {
+	struct cu_req *rq;
+	struct cu_sbuf *b;		/* its staging buffer, or NULL (no bytes) */
+	uint32_t index;
+	bool ready;			/* staged (read) / reserved (write) (c->lock) */
+	bool written;			/* a write round's bytes are in the file */
+};
+
+/* stream-op milestones (phx_now_ns), for the counters and PHX_CUDA_TRACE */
+enum rq_trace_point {
+	TR_QUEUED, TR_ARRIVED, TR_READY, TR_FINAL, TR_RELEASE, RQ_TRACE_N
+};
+
+struct cu_req {
+	struct cu_req *next;		/* ready queue / free list (c->lock) */
+	phx_cuda *c;
+	struct phx_cuda_io *io;		/* the caller's, or owned */
+	struct cu_file *cf;
+	struct cu_after *after;
+	uint8_t state;			/* enum rq_state */
+	uint8_t op;
+	bool owned;			/* io is ours: free it at the end */
+	bool stream_op;
+	bool io_args;			/* stream op: arguments are io's fields */
+	bool wpend;			/* a write registered on its inode (inode_pend_*) */
+	struct phx_wpend wp;		/* that registration */
+	/* early reads (c->lock): see enum early_state */
+	uint8_t e_state;
+	bool e_queued;			/* on c->early_head */
+	bool e_cut;			/* every piece was handed out early */
+	uint32_t e_live;		/* staging buffers holding its early pieces */
+	uint64_t e_gen;			/* the inode's write generation when it began */
+	uint32_t e_epoch;		/* c->early_epoch when it began */
+	int64_t e_size, e_ctime_ns;	/* the file (fstat) when it began */
+	struct cu_req *e_next;		/* c->early_head */
+	/* stream ops: read when the stream reaches the operation */
+	const size_t *size_p;
+	const int64_t *foff_p, *boff_p;
+	uint64_t base;
+	int64_t *bytes_done;
+	phx_cuda_done_fn done_fn;	/* told once released (the poller's thread) */
+	void *done_arg;
+	CUstream stream;
+	uint32_t slot, seq;		/* its progress words and flag (cuda_stream.c) */
+	struct cu_round *rounds;
+	uint32_t nrounds;
+	uint32_t round_next;		/* next round to cut (c->lock) */
+	uint32_t prefix;		/* rounds whose descriptor is out (c->lock) */
+	uint32_t kdone;			/* rounds whose kernel ran (poller) */
+	uint32_t raised;		/* flag value stored last (c->lock) */
+	uint32_t needed;		/* rounds that carry bytes, once cut */
+	int written;			/* stream writes: rounds in the file */
+	bool publish_claimed;		/* c->lock */
+	bool arrived;			/* the poller saw the arrival word */
+	bool orphan;			/* its GPU program is only partly queued */
+	uint32_t orphan_rounds;		/* of its rounds, those queued whole */
+	bool gpu_gone;			/* no kernel of it runs any more (st_kill) */
+	uint64_t alloc_lo, alloc_hi;	/* GPU memory checked at submission */
+	struct cu_req *p_next, *p_prev;	/* the poller's list of live stream ops */
+	/* resolved arguments */
+	uint64_t devptr, off, len, end;
+	uint64_t cursor;		/* next file offset to hand out (c->lock) */
+	int pieces;			/* references: pieces, host functions, cutting */
+	/* outcome, updated atomically by the lanes */
+	int64_t err;
+	uint64_t short_end;		/* lowest end of a short read */
+	uint64_t direct_bytes, bounce_bytes, buffered_bytes;
+	uint32_t paths;
+	int64_t trace[RQ_TRACE_N];
+};
+
+/* Files */
+struct cu_file *cf_get(phx_cuda *c, phx_file *f, int *err);
+void cf_put(phx_cuda *c, struct cu_file *cf);
+/* Device memory of the context's device, one allocation or contiguous segments. */
+int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
+/* Birth */
+int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
+	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out);
+struct cu_req *rq_new(phx_cuda *c);
+void rq_set_range(struct cu_req *rq, uint64_t devptr, uint64_t off, uint64_t len);
+void rq_live_inc(phx_cuda *c);
+void rq_write_register(struct cu_req *rq, uint64_t off, uint64_t len);
+/* Pieces */
+bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
+	    bool first);
+void rq_piece_io(struct cu_piece *p);
+void rq_piece_account(struct cu_req *rq, struct cu_piece *p);
+void rq_piece_done(struct cu_piece *p);
+void rq_ref_drop(struct cu_req *rq, int n);
+void rq_fail(struct cu_req *rq, int64_t err);
+int64_t rq_result(const struct cu_req *rq);
+/* End */
+void rq_publish(struct cu_req *rq);
+void rq_release(struct cu_req *rq);
+void rq_abandon(struct cu_req *rq, int err);
+void after_put(phx_cuda *c, struct cu_after *a);
+/* The ready queues (c->lock held) */
+void ready_push_locked(phx_cuda *c, struct cu_req *rq, bool head);
+struct cu_req *ready_head_locked(phx_cuda *c, bool stream);
+void ready_pop_locked(phx_cuda *c, bool stream);
+
+/* ------------------------------------------------------------------------ */
+/* Floor 2b: stream-ordered requests (cuda_stream.c)                        */
+/* ------------------------------------------------------------------------ */
+
+int st_submit(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f, uint32_t op,
+	      uint64_t base, const size_t *size_p, const int64_t *foff_p,
+	      const int64_t *boff_p, int64_t *bytes_done, CUstream s,
+	      phx_cuda_done_fn done_fn, void *done_arg);
+/* The poller saw the arrival (no lock held): read and check the arguments. */
+void st_arrived(struct cu_req *rq);
+/* Round @k's kernel ran (the done word passed it). */
+void st_kernel_done(struct cu_req *rq, uint32_t k);
+/* A round was handed to a buffer, or its file I/O ended. */
+void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b);
+void st_round_staged(struct cu_round *r, struct cu_piece *p);
+void st_round_reserved(struct cu_round *r);
+void st_round_written(struct cu_round *r, struct cu_piece *p);
+void st_cut_done_locked(struct cu_req *rq);
+void st_advance(struct cu_req *rq);
+/* Early reads */
+bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b);
+int st_early_round(struct cu_sbuf *b);		/* a lane: an early round is read */
+void st_early_release(struct cu_sbuf *b);
+/* No kernel of @rq runs any more (a dead context, an orphan): end it now, with @err. */
+void st_kill(struct cu_req *rq, int err);
+/* The stream is past the whole op: counters, trace, the GPU program's reference. */
+void st_final(struct cu_req *rq);
+/* An orphan's stream passed its queued rounds: let the rest pass harmlessly. */
+void st_orphan_end(struct cu_req *rq);
+/* Is the stream op's release due (every word it waits for has passed)? */
+bool st_final_passed(const struct cu_req *rq, uint32_t done);
+uint32_t st_words_done(const struct cu_req *rq);
+void st_trace_print(const struct cu_req *rq);
+
+/* ------------------------------------------------------------------------ */
+/* Floor 3: threads (cuda_lanes.c, cuda_copier.c, cuda_poller.c)            */
+/* ------------------------------------------------------------------------ */
+
 /* lane_setup()'s steps, timed for PHX_CUDA_TRACE: start, staging populated,
- * engine made, io_uring-registered, stream and events */
-#define LANE_SETUP_STEPS 5
+ * engine made, io_uring-registered */
+#define LANE_SETUP_STEPS 4
 
 struct cu_lane {
 	phx_cuda *c;
@@ -345,30 +466,31 @@ struct cu_lane {
 	bool stop;			/* c->lock */
 	bool sleeping;			/* on c->sleepers (c->lock) */
 	struct cu_lane *next_sleeper;
+	struct cu_sbuf *inbox;		/* buffers handed back (c->lock) */
 	phx_engine *eng;
 	int efd;			/* the engine's eventfd: CQEs, wakeups */
 	char *mem;
-	CUdeviceptr mem_d;		/* the same memory, as the GPU sees it */
+	CUdeviceptr mem_d;
 	size_t mem_len;
 	bool uring_registered;
-	int64_t setup_ns[LANE_SETUP_STEPS];	/* PHX_CUDA_TRACE: when each step ended */
-	CUstream stream;
+	int64_t setup_ns[LANE_SETUP_STEPS];
 	struct cu_sbuf *bufs;
 	uint32_t nbufs;
-	/* copy lists, one batch at a time */
-	CUdeviceptr dsts[CU_MAX_PIECES], srcs[CU_MAX_PIECES];
-	size_t sizes[CU_MAX_PIECES];
 };
 
 int lane_setup(phx_cuda *c, struct cu_lane *ln, uint32_t index);
 int lane_start(phx_cuda *c, struct cu_lane *ln);
 void lane_stop(phx_cuda *c, struct cu_lane *ln);
 void lane_free(phx_cuda *c, struct cu_lane *ln);
-void lanes_wake(phx_cuda *c, uint32_t want);
-void lanes_kick(phx_cuda *c);
+
+int copier_start(phx_cuda *c);
+void copier_stop(phx_cuda *c);
+
+int poller_start(phx_cuda *c);
+void poller_stop(phx_cuda *c);
 
 /* ------------------------------------------------------------------------ */
-/* Contexts (cuda_context.c)                                                */
+/* Floor 4: contexts (cuda_context.c)                                       */
 /* ------------------------------------------------------------------------ */
 
 struct phx_cuda {
@@ -378,68 +500,78 @@ struct phx_cuda {
 	CUdevice dev;
 	CUcontext ctx;
 	bool memops;
+	char memops_why[160];		/* why stream ops are unavailable */
 	bool trace;			/* PHX_CUDA_TRACE: stream-op timings to stderr */
 	bool batch_copy;
 	bool fixed_bufs;
+	uint32_t queue_wait_ms;		/* PHX_CUDA_QUEUE_WAIT_MS: backpressure bound */
 	struct cu_lane *lanes;
 	uint32_t nlanes;
+	uint32_t nbufs;			/* all lanes' buffers */
 	char *stage;			/* every lane's staging, one region */
 	size_t stage_len;
-	CUdeviceptr stage_d;		/* the same memory, as the GPU sees it */
+	CUdeviceptr stage_d;
 	bool stage_registered;
 	int stage_node;			/* NUMA node staging is bound to, or -1 */
 	int stage_node_err;		/* why not bound: -errno (PHX_CUDA_TRACE) */
 
 	pthread_mutex_t lock;
-	struct cu_req *ready_head, *ready_tail;
+	/* ready queues: arrived stream ops first, then host-async work */
+	struct cu_req *ready_head[2], *ready_tail[2];	/* [1]: stream */
+	/* staging classes: buffers held by each (enum sb_class) */
+	uint32_t cls_held[SBC_COUNT];
+	uint32_t reserve;		/* buffers only arrived stream ops may take */
+	uint32_t early_max;
 	/* early reads: stream reads queued, not arrived, with pieces to cut */
-	bool early_reads;		/* PHX_CUDA_EARLY_READS, phx_cuda_set_early_reads() */
+	bool early_reads;
 	uint32_t early_epoch;		/* bumped when they are turned off */
 	struct cu_req *early_head, *early_tail;
-	uint32_t early_bufs;		/* staging buffers holding early pieces */
-	uint32_t early_max;		/* at most this many: the rest serve arrived work */
 	struct cu_lane *sleepers;
 	struct cu_file *files;
 	struct cu_req *free_reqs;
-	uint32_t *slot_free;		/* stack of free flag slots */
+	uint32_t *slot_free;		/* stack of free slots */
 	uint32_t nslot_free;
-	uint32_t *slot_seq;		/* last sequence number of each slot */
-	uint32_t *desc_free;		/* stack of free copy descriptors */
-	uint32_t ndesc_free;
+	uint32_t *slot_seq;		/* last sequence number used by each slot */
+	pthread_cond_t slot_cond;	/* a slot came free */
+	uint32_t slot_waiters;
 	CUevent *ev_free;		/* event pool */
 	size_t nev_free, ev_cap;
 
-	uint32_t *flags;		/* CU_SLOTS words, device-mapped */
-	CUdeviceptr flags_d;
-	bool flags_registered;
-	struct cu_copy_desc *descs;	/* CU_DESCS, device-mapped */
+	struct cu_words *words;		/* pinned, device-mapped */
+	CUdeviceptr words_d;
+	bool words_registered;
+	struct cu_copy_desc *descs;	/* CU_SLOTS * CU_RING, pinned, device-mapped */
 	CUdeviceptr descs_d;
 	bool descs_registered;
-	CUmodule module;		/* the copy kernel */
-	CUfunction copy_fn;
+	CUdeviceptr descs_gpu;		/* where the descriptor kernel puts them */
+	CUmodule module;		/* the copy kernels */
+	CUfunction desc_fn, copy_fn;
 	unsigned copy_blocks, copy_threads;
+	uint32_t orphans;		/* stream ops only partly queued: memory kept */
+
+	/* the poller */
+	pthread_t poller;
+	bool poller_started;
+	bool poller_stop;		/* c->lock */
+	int poller_efd;
+	struct cu_req *p_incoming;	/* stream ops to watch (c->lock) */
+	uint32_t stream_live;		/* stream ops queued, not released (atomic) */
+	int64_t stream_progress_ns;	/* the poller's last progress (atomic) */
+	int dead;			/* -errno: the context has a sticky error (atomic) */
+
+	/* the copier */
+	pthread_t copier;
+	bool copier_started;
+	bool copier_stop;		/* c->lock */
+	int copier_efd;
+	struct cu_sbuf *copy_head, *copy_tail;	/* c->lock */
+	CUstream copy_streams[CU_COPY_STREAMS];
 
 	pthread_mutex_t done_lock;
 	pthread_cond_t done_cond;
 	uint64_t live;			/* requests not finished (done_lock) */
 
-	pthread_mutex_t st_lock;
 	struct phx_cuda_stats st;
 };
-
-int ctx_push(phx_cuda *c);
-void ctx_pop(phx_cuda *c);
-int ev_get(phx_cuda *c, CUevent *ev);
-void ev_put(phx_cuda *c, CUevent ev);
-int slot_get(phx_cuda *c, uint32_t *slot, uint32_t *seq);
-void slot_put_locked(phx_cuda *c, uint32_t slot);
-int descs_get(phx_cuda *c, struct cu_stage *st, uint32_t n);
-void descs_put_locked(phx_cuda *c, struct cu_stage *st, uint32_t n);
-void stat_add(phx_cuda *c, uint64_t *field, uint64_t n);
-/* Staging placement helpers, exposed for tests/gpu_fake/cuda_fake_test.c. */
-int cu_pci_sysfs_name(const char *bus_id, char *out, size_t len);
-int cu_node_list_count(const char *list);
-/* Bind c->stage to the GPU's NUMA node before it is faulted in: 0 or -errno (cuda_numa.c). */
-int cu_staging_bind(phx_cuda *c);
 
 #endif /* PHX_CUDA_INTERNAL_H */

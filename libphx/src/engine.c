@@ -289,6 +289,15 @@ PHX_EXPORT int phx_engine_destroy(phx_engine *eng)
 	if (!eng)
 		return 0;
 	pthread_mutex_lock(&eng->lock);
+	/*
+	 * GPU lanes use a held file's descriptor number on engines of their
+	 * own: closing it here would let them read or write whatever file
+	 * takes the number next.
+	 */
+	if (file_held_locked(eng)) {
+		pthread_mutex_unlock(&eng->lock);
+		return phx_err(-EBUSY, "a file of this engine is still used by GPU work (a phx_cuda context holds it): finish or deregister that first");
+	}
 	if ((eng->inflight || eng->pend_head) && engine_thread_check(eng)) {
 		pthread_mutex_unlock(&eng->lock);
 		return -EPERM;

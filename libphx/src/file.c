@@ -297,6 +297,7 @@ void phx_file_hold(phx_file *f)
 {
 	pthread_mutex_lock(&f->eng->lock);
 	f->refs++;
+	f->holds++;
 	pthread_mutex_unlock(&f->eng->lock);
 }
 
@@ -304,7 +305,26 @@ void phx_file_unhold(phx_file *f)
 {
 	pthread_mutex_lock(&f->eng->lock);
 	f->refs--;
+	f->holds--;
 	pthread_mutex_unlock(&f->eng->lock);
+}
+
+/* A file of @eng that GPU work holds (eng->lock held), or NULL. */
+phx_file *file_held_locked(phx_engine *eng)
+{
+	phx_file *f;
+
+	for (f = eng->files; f; f = f->next)
+		if (f->holds)
+			return f;
+	return NULL;
+}
+
+PHX_EXPORT int phx_file_check_range(const phx_file *f, uint64_t offset, uint64_t len)
+{
+	if (!f)
+		return phx_err(-EBADF, "phx_file_check_range: NULL file");
+	return inode_bad_check(f->inode, offset, len);
 }
 
 void file_close_all(phx_engine *eng)

@@ -91,6 +91,7 @@ struct phx_file {
 	bool align_from_statx;
 	int open_flags;
 	uint32_t refs;		/* requests queued or in flight, and phx_file_hold()s */
+	uint32_t holds;		/* of those, phx_file_hold()s (GPU work) */
 	struct phx_file *next;	/* engine's list of open files */
 };
 
@@ -194,6 +195,36 @@ int inode_get(const struct stat *st, struct phx_inode **out);
 void inode_put(struct phx_inode *n);
 int inode_claim(struct phx_inode *n, struct wrange *r, bool *foreign);
 void inode_release(struct phx_inode *n, struct wrange *r);
+bool inode_is_blk(const struct phx_inode *n);
+
+/*
+ * inode.c: what early GPU reads need to know about writes (cuda_stream.c).
+ * Every write claim is logged with a generation number; a GPU write that is
+ * accepted but not yet issued (a stream op its stream has not reached)
+ * registers its range as pending.
+ */
+struct phx_wpend {
+	struct phx_wpend *prev, *next;
+	uint64_t off, len;
+	bool on;
+};
+uint64_t inode_wgen(struct phx_inode *n);
+/* A write claim or pending write overlapping [off, off + len) now? */
+bool inode_write_busy(struct phx_inode *n, uint64_t off, uint64_t len);
+/* A write overlapping [off, off + len) logged since @gen (or can't tell)? */
+bool inode_written_since(struct phx_inode *n, uint64_t gen, uint64_t off, uint64_t len);
+void inode_pend_add(struct phx_inode *n, struct phx_wpend *w, uint64_t off, uint64_t len);
+void inode_pend_move(struct phx_inode *n, struct phx_wpend *w, uint64_t off, uint64_t len);
+void inode_pend_del(struct phx_inode *n, struct phx_wpend *w);
+
+/*
+ * inode.c: bad ranges.  A write that failed leaves its range bad (the file
+ * may hold old bytes there, or half of the new ones); a later successful
+ * write clears what it covers; a read of any bad byte is refused (-EIO)
+ * until then.  Returns true when the call marked something bad.
+ */
+bool inode_write_result(struct phx_inode *n, uint64_t off, uint64_t len, bool ok);
+int inode_bad_check(struct phx_inode *n, uint64_t off, uint64_t len);
 
 /* engine.c */
 void engine_submit_locked(phx_engine *eng);
@@ -213,6 +244,7 @@ int file_alt_fd(phx_file *f);
  */
 void phx_file_hold(phx_file *f);
 void phx_file_unhold(phx_file *f);
+phx_file *file_held_locked(phx_engine *eng);
 
 /* Monotonic time in nanoseconds (deadlines). */
 static inline int64_t phx_now_ns(void)

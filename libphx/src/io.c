@@ -85,7 +85,12 @@ void io_start(phx_engine *eng, struct phx_io *io, bool async)
 	p->pollable = async && !(io->flags & PHX_IO_NO_POLL);
 	p->mode = io_choose_mode(io, p);
 	io->file->refs++;
-	if (!io->len) {
+	/* a range whose last write failed holds no data anyone may read (inode.c) */
+	if (io->op == PHX_OP_READ && inode_bad_check(io->file->inode, io->offset, io->len)) {
+		p->err = -EIO;
+		eng->st.bad_refusals++;
+	}
+	if (!io->len || p->err) {
 		io_finish(eng, io);
 		return;
 	}
@@ -566,6 +571,10 @@ static void io_finish(phx_engine *eng, struct phx_io *io)
 	}
 	if (io->paths & PHX_PATH_BOUNCE)
 		eng->st.bounce_ios++;
+	/* a failed write leaves its range bad; a good one makes it good again */
+	if (io->op == PHX_OP_WRITE &&
+	    inode_write_result(io->file->inode, io->offset, io->len, !p->err))
+		eng->st.bad_marks++;
 	io->file->refs--;
 	io_publish(eng, io, result);
 }

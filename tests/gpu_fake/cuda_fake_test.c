@@ -790,10 +790,10 @@ static void test_lane_setup_failure(phx_engine *eng)
 	cfg.lanes = 6;
 	cfg.bufs_per_lane = 2;
 	cfg.buf_size = MiB;
-	FailHostRegister(2);		/* flags, descriptors, then the staging */
+	FailHostRegister(2);		/* progress words, descriptors, then the staging */
 	create_fails(eng, &cfg, "cuMemHostRegister (staging buffers)");
-	FailStreamCreate(1 + 3);	/* the batch-copy probe's, then the lanes' */
-	create_fails(eng, &cfg, "cuStreamCreate (lane)");
+	FailStreamCreate(2 + 1);	/* the two probes', then the copier's */
+	create_fails(eng, &cfg, "cuStreamCreate (copier)");
 	FailHostRegister(-1);
 	FailStreamCreate(-1);
 	ret = phx_cuda_create(eng, &cfg, &c);

@@ -8,10 +8,18 @@
  * host function that blocks holds up every stream's host functions.
  *
  * Only the driver entry points libphx uses exist, plus what the tests need
- * (cuMemAlloc, cuMemsetD8Async) and two test hooks: fake_sleep_async()
- * (a busy stream) and fake_hostfn_max_ns() (the longest host function).
+ * (cuMemAlloc, cuMemsetD8Async) and test hooks: fake_sleep_async() (a busy
+ * stream), fake_hostfn_max_ns() (the longest host function),
+ * fake_stream_capture() (a stream capturing a graph), fake_alloc_segments()
+ * (one range mapped as several allocations, as VMM allocators do),
+ * fake_fault_async() (a kernel that faults: from then on the context is
+ * dead, every stream stops and every call returns 700, as with a sticky
+ * error), fake_fail_launch() / fake_fail_write_value() (the (k+1)-th such
+ * call from now fails: a stream op only partly queued).
  * FAKE_CUDA_NO_BATCH=1 hides cuMemcpyBatchAsync; FAKE_CUDA_NO_MEMOPS=1 makes
- * cuStreamWaitValue32 fail.
+ * the stream memory operations fail; FAKE_CUDA_PTX_MAX=8.0 refuses PTX of
+ * a newer ISA (a CUDA 12.0 driver).  cuMemGetAddressRange needs a current
+ * context, as CUDA's does (error 201 without one).
  *
  * Devices: FAKE_CUDA_DEVICES=N (1..8, default 1) fakes N devices, each with
  * its primary context and a PCI bus id (cuDeviceGetPCIBusId, "0000:1B:00.0"
@@ -75,6 +83,15 @@ static void api_enter(void)
 	while (api_syncing && !pthread_equal(api_syncer, pthread_self()))
 		pthread_cond_wait(&api_cond, &api_lock);
 	pthread_mutex_unlock(&api_lock);
+}
+
+/* ---- a sticky error: fake_fault_async() ran; nothing runs any more ---- */
+#define EDEAD 700		/* CUDA_ERROR_ILLEGAL_ADDRESS */
+static int dead;
+
+static int is_dead(void)
+{
+	return __atomic_load_n(&dead, __ATOMIC_ACQUIRE);
 }
 
 /* ---- devices and the calling thread's context stack ---- */
@@ -209,10 +226,42 @@ CUresult cuPointerGetAttribute(void *out, int attr, CUdeviceptr p)
 	return OK;
 }
 
+/*
+ * Test hook: @nseg allocations of @seg bytes each, one after the other in
+ * one range (PyTorch's expandable segments: cuMemGetAddressRange reports
+ * one segment at a time).  *@p is the start.
+ */
+CUresult fake_alloc_segments(CUdeviceptr *p, int nseg, size_t seg)
+{
+	void *m = NULL;
+	int dev = cur_dev(), i;
+
+	if (dev < 0)
+		return ENOCTX;
+	if (nseg < 1 || posix_memalign(&m, 4096, (size_t)nseg * seg))
+		return 2;
+	pthread_mutex_lock(&mem_lock);
+	for (i = 0; i < nseg; i++) {
+		struct alloc *a = calloc(1, sizeof(*a));
+
+		a->base = (uint64_t)(uintptr_t)m + (uint64_t)i * seg;
+		a->size = seg;
+		a->dev = dev;
+		a->next = allocs;
+		allocs = a;
+	}
+	pthread_mutex_unlock(&mem_lock);
+	*p = (uint64_t)(uintptr_t)m;
+	return OK;
+}
+
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 {
 	api_enter();
 	struct alloc *a;
+
+	if (!ctx_depth)
+		return ENOCTX;	/* CUDA needs a current context here */
 
 	pthread_mutex_lock(&mem_lock);
 	a = find_alloc(p);
@@ -396,6 +445,8 @@ CUresult cuEventDestroy_v2(struct event *e)
 
 CUresult cuEventQuery(struct event *e)
 {
+	if (is_dead())
+		return EDEAD;
 	api_enter();
 	int r;
 
@@ -416,7 +467,8 @@ CUresult cuEventSynchronize(struct event *e)
 
 /* ---- streams ---- */
 
-enum { OP_COPY, OP_WAITVAL, OP_HOSTFN, OP_EVREC, OP_WAITEV, OP_SLEEP, OP_MEMSET, OP_KERNEL };
+enum { OP_COPY, OP_WAITVAL, OP_HOSTFN, OP_EVREC, OP_WAITEV, OP_SLEEP, OP_MEMSET, OP_KERNEL,
+       OP_WRITEVAL, OP_DESC, OP_FAULT };
 
 struct op {
 	int kind;
@@ -439,6 +491,7 @@ struct stream {
 	int busy;
 	pthread_t thr;
 	int dev;			/* -1: the legacy stream, any device's */
+	int capturing;			/* fake_stream_capture() */
 };
 
 static long kernels_run;
@@ -461,6 +514,17 @@ static void run_op(struct op *o)
 		while ((int32_t)(__atomic_load_n(o->addr, __ATOMIC_ACQUIRE) - o->value) < 0)
 			usleep(20);
 		break;
+	case OP_WRITEVAL:
+		__atomic_store_n(o->addr, o->value, __ATOMIC_RELEASE);
+		break;
+	case OP_DESC:
+		/* phx_desc: the pinned descriptor into "GPU" memory, read when it runs */
+		memcpy(o->dst, (const void *)o->src, 32);
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+		break;
+	case OP_FAULT:
+		__atomic_store_n(&dead, EDEAD, __ATOMIC_RELEASE);
+		break;
 	case OP_HOSTFN:
 		cb_run(o->fn, o->arg);
 		break;
@@ -481,7 +545,7 @@ static void run_op(struct op *o)
 		usleep((useconds_t)o->n);
 		break;
 	case OP_KERNEL: {
-		/* phx_copy: the descriptor is read when the kernel runs */
+		/* phx_copy: the descriptor (in "GPU" memory) is read when it runs */
 		const volatile uint64_t *d = o->src;
 
 		if (d[2])
@@ -505,6 +569,9 @@ static void *stream_main(void *arg)
 		o = s->head;
 		s->busy = 1;
 		pthread_mutex_unlock(&s->lock);
+		/* a dead context runs nothing: its queues stay as they are */
+		while (is_dead())
+			usleep(1000);
 		run_op(o);
 		pthread_mutex_lock(&s->lock);
 		s->head = o->next;
@@ -634,10 +701,19 @@ CUresult cuStreamSynchronize(void *h)
 	struct stream *s = S(h);
 
 	pthread_mutex_lock(&s->lock);
-	while (s->head)
-		pthread_cond_wait(&s->cond, &s->lock);
+	while (s->head && !is_dead()) {
+		struct timespec ts;
+
+		clock_gettime(CLOCK_REALTIME, &ts);
+		ts.tv_nsec += 10000000;
+		if (ts.tv_nsec >= 1000000000) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000;
+		}
+		pthread_cond_timedwait(&s->cond, &s->lock, &ts);
+	}
 	pthread_mutex_unlock(&s->lock);
-	return OK;
+	return is_dead() ? EDEAD : OK;
 }
 
 CUresult cuStreamQuery(void *h)
@@ -646,6 +722,8 @@ CUresult cuStreamQuery(void *h)
 	struct stream *s = S(h);
 	int r;
 
+	if (is_dead())
+		return EDEAD;
 	pthread_mutex_lock(&s->lock);
 	r = s->head ? ENOTREADY : OK;
 	pthread_mutex_unlock(&s->lock);
@@ -692,6 +770,8 @@ CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned 
 
 	if (getenv("FAKE_CUDA_NO_MEMOPS"))
 		return ENOTSUP;
+	if (is_dead())
+		return EDEAD;
 	if (stream_dev(h) < 0)
 		return 400;
 	o = op_new(OP_WAITVAL);
@@ -699,6 +779,81 @@ CUresult cuStreamWaitValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned 
 	o->value = v;
 	push(h, o);
 	return OK;
+}
+
+/* fake_fail_write_value(k) / fake_fail_launch(k): the (k+1)-th call from now fails, once. */
+static int wv_fail_in = -1, launch_fail_in = -1;
+
+void fake_fail_write_value(int k)
+{
+	__atomic_store_n(&wv_fail_in, k, __ATOMIC_RELEASE);
+}
+
+void fake_fail_launch(int k)
+{
+	__atomic_store_n(&launch_fail_in, k, __ATOMIC_RELEASE);
+}
+
+/* Decrement *@cnt if armed; true when this call is the one that fails. */
+static bool fail_now(int *cnt)
+{
+	int v = __atomic_load_n(cnt, __ATOMIC_ACQUIRE);
+
+	while (v >= 0) {
+		if (__atomic_compare_exchange_n(cnt, &v, v - 1, false, __ATOMIC_ACQ_REL,
+						__ATOMIC_ACQUIRE))
+			return v == 0;
+	}
+	return false;
+}
+
+CUresult cuStreamWriteValue32_v2(void *h, CUdeviceptr addr, uint32_t v, unsigned f)
+{
+	struct op *o;
+
+	if (getenv("FAKE_CUDA_NO_MEMOPS"))
+		return ENOTSUP;
+	if (is_dead())
+		return EDEAD;
+	if (stream_dev(h) < 0)
+		return 400;
+	if (fail_now(&wv_fail_in))
+		return 2;
+	o = op_new(OP_WRITEVAL);
+	o->addr = (volatile uint32_t *)(uintptr_t)addr;
+	o->value = v;
+	push(h, o);
+	return OK;
+}
+
+CUresult cuStreamIsCapturing(void *h, int *status)
+{
+	*status = S(h)->capturing ? 1 : 0;	/* CU_STREAM_CAPTURE_STATUS_ACTIVE */
+	return OK;
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode)
+{
+	*mode = 0;
+	return OK;
+}
+
+/* Test hook: @h begins (@on) or ends a graph capture. */
+void fake_stream_capture(void *h, int on)
+{
+	S(h)->capturing = on;
+}
+
+/* Test hook: a kernel on @h that faults when it runs: the context dies. */
+CUresult fake_fault_async(void *h)
+{
+	push(h, op_new(OP_FAULT));
+	return OK;
+}
+
+int fake_is_dead(void)
+{
+	return is_dead();
 }
 
 CUresult cuLaunchHostFunc(void *h, CUhostFn fn, void *arg)
@@ -837,9 +992,21 @@ CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, uint64_t flag
 	return 500;
 }
 
-/* ---- modules: only libphx's phx_copy kernel exists, once per device ---- */
+/* ---- modules: only libphx's two copy kernels exist, once per device ---- */
 
-static int the_module[MAX_DEV], the_function[MAX_DEV];
+static int the_module[MAX_DEV], fn_desc[MAX_DEV], fn_copy[MAX_DEV];
+
+/* FAKE_CUDA_PTX_MAX: the newest PTX ISA this "driver" compiles (default 9.0). */
+static bool ptx_too_new(const char *image)
+{
+	const char *v = strstr(image, "\n.version "), *max = getenv("FAKE_CUDA_PTX_MAX");
+	double have, lim = max ? atof(max) : 9.0;
+
+	if (!v)
+		return true;
+	have = atof(v + 10);
+	return have > lim + 1e-9;
+}
 
 CUresult cuModuleLoadData(void **m, const void *image)
 {
@@ -847,7 +1014,10 @@ CUresult cuModuleLoadData(void **m, const void *image)
 
 	if (dev < 0)
 		return ENOCTX;
-	if (!strstr((const char *)image, ".entry phx_copy"))
+	if (ptx_too_new(image))
+		return 222;	/* CUDA_ERROR_UNSUPPORTED_PTX_VERSION */
+	if (!strstr((const char *)image, ".entry phx_copy") ||
+	    !strstr((const char *)image, ".entry phx_desc"))
 		return EINVALID;
 	*m = &the_module[dev];
 	return OK;
@@ -857,9 +1027,14 @@ CUresult cuModuleUnload(void *m) { return OK; }
 
 CUresult cuModuleGetFunction(void **f, void *m, const char *name)
 {
-	if (strcmp(name, "phx_copy"))
+	int dev = (int)((int *)m - the_module);
+
+	if (!strcmp(name, "phx_copy"))
+		*f = &fn_copy[dev];
+	else if (!strcmp(name, "phx_desc"))
+		*f = &fn_desc[dev];
+	else
 		return 500;
-	*f = &the_function[(int *)m - the_module];
 	return OK;
 }
 
@@ -870,10 +1045,20 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
 	struct op *o;
 	int dev = stream_dev(h);
 
-	if (dev < 0 || f != &the_function[dev] || !params)
+	if (is_dead())
+		return EDEAD;
+	if (dev < 0 || !params || (f != &fn_copy[dev] && f != &fn_desc[dev]))
 		return EINVALID;	/* another device's kernel, or none */
-	o = op_new(OP_KERNEL);
-	o->src = (const void *)(uintptr_t)*(uint64_t *)params[0];
+	if (fail_now(&launch_fail_in))
+		return 2;
+	if (f == &fn_desc[dev]) {
+		o = op_new(OP_DESC);
+		o->src = (const void *)(uintptr_t)*(uint64_t *)params[0];
+		o->dst = (void *)(uintptr_t)*(uint64_t *)params[1];
+	} else {
+		o = op_new(OP_KERNEL);
+		o->src = (const void *)(uintptr_t)*(uint64_t *)params[0];
+	}
 	push(h, o);
 	return OK;
 }
