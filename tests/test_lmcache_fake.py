@@ -144,18 +144,18 @@ def test_slab_on_xfs(fake_libcuda, tmp_path, early):
     assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 5, r.stdout
 
 
-def test_second_device_turns_early_reads_off(fake_libcuda, tmp_path):
-    """Early reads see only their own context's writes: when a second device's
-    context appears in the process (two fake devices), libphxfile turns them off
-    on every device and says so once; reads stay right."""
+def test_second_device_writes_void_early_reads(fake_libcuda, tmp_path):
+    """Early reads stay on with two devices in one process (two fake devices):
+    a write through the second device's context voids the first device's early
+    pieces of that range (libphx's per-inode write log), so the reads return the
+    new bytes; nothing is turned off or logged as off."""
     r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
-                       [str(tmp_path), "-", "second_device_turns_early_reads_off"],
+                       [str(tmp_path), "-", "second_device_writes_void_early_reads"],
                        support.child_env(SITE, LD_LIBRARY_PATH=str(fake_libcuda),
                                          PHX_CUDA_LANES="2", FAKE_CUDA_DEVICES="2"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok second_device_turns_early_reads_off" in r.stdout, r.stdout + r.stderr
-    offs = [l for l in r.stderr.splitlines() if "early reads off:" in l]
-    assert len(offs) == 1 and "device 1" in offs[0], r.stderr
+    assert "ok second_device_writes_void_early_reads" in r.stdout, r.stdout + r.stderr
+    assert "early reads off" not in r.stderr, r.stderr
 
 
 _CLAIM_CHILD = r"""

@@ -96,7 +96,9 @@ struct phxfile_stats {
 	uint64_t pinned_bytes;
 	uint64_t early_reads;		/* reads served by early file I/O (libphx) */
 	uint64_t early_misses;		/* early file I/O thrown away at arrival */
-	uint64_t reserved[6];
+	uint64_t bad_refusals;		/* reads refused: their range's last write failed */
+	uint64_t bad_marks;		/* failed writes whose range reads now refuse (libphx) */
+	uint64_t reserved[4];
 };
 
 /* Counters since the process loaded the library; 0 or -EINVAL. */

@@ -142,9 +142,12 @@ PF_EXPORT int phxFileBufDeregister(const void *addr)
 	pthread_mutex_lock(&d->setup);
 	pthread_mutex_lock(&d->lock);
 	i = upper(d, base);
+	if (i && d->bufs[i - 1]->base == base)
+		ret = pf_wait_buf_idle_locked(d, d->bufs[i - 1]);
+	i = upper(d, base);
 	if (!i || d->bufs[i - 1]->base != base) {
 		ret = -ENOENT;
-	} else if (d->bufs[i - 1]->inflight) {
+	} else if (ret || d->bufs[i - 1]->inflight) {
 		ret = -EBUSY;
 	} else {
 		b = d->bufs[i - 1];

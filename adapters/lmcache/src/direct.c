@@ -75,6 +75,8 @@ static int64_t direct_io(struct pf_op *o)
 void pf_direct_run(void *arg)
 {
 	struct pf_op *o = arg;
+	int64_t res = direct_io(o);
 
-	pf_op_finish(o, direct_io(o));
+	*o->bytes_done = res;	/* before the stream goes on past this host function */
+	pf_op_finish(o, res);
 }

@@ -111,49 +111,51 @@ static void ctx_fold_stats(struct pf_driver *d, phx_cuda *cu)
 {
 	struct phx_cuda_stats cs;
 
-	phx_cuda_stats(cu, &cs);
+	phx_cuda_stats_get(cu, &cs, sizeof(cs));
 	d->st.staging_errors += cs.errors;
 	d->st.staging_chunks += cs.chunks;
 	d->st.h2d_bytes += cs.h2d_bytes;
 	d->st.d2h_bytes += cs.d2h_bytes;
 	d->st.early_reads += cs.early_reads;
 	d->st.early_misses += cs.early_misses;
+	d->st.bad_marks += cs.bad_marks;
 }
 
 /*
  * Early reads (libphx: a stream read's file I/O starts when it is queued,
  * and stands only if nothing changed by arrival) are on by default here,
  * though libphx leaves them off: the slab is this process's alone
- * (handles.c claims it) and every write to it goes through this process's
- * staging context, whose queued writes early reads see.  They doubled
- * LMCache's chunk loads on the H200 (docs/gpu.md).  A second device's
- * context is a writer that the first one's early reads cannot see, so at a
- * second device they are turned off on every context (which also voids
- * early pieces already read).  PHX_CUDA_EARLY_READS=0 turns them off.
- * Setup held.
+ * (handles.c claims it), and every write to it goes through libphx in this
+ * process, whichever device's context it comes from, so libphx's per-inode
+ * write log sees it.  They doubled LMCache's chunk loads on the H200
+ * (docs/gpu.md).  Once the direct path has run (phx.ko mapped memory, file
+ * I/O from CUDA's callback thread) they go off on every context
+ * (pf_direct_early_off).  PHX_CUDA_EARLY_READS=0 turns them off.
  */
-static bool early_reads_setup(struct pf_driver *d, int dev)
+static bool early_reads_wanted(struct pf_driver *d)
 {
 	const char *v = getenv("PHX_CUDA_EARLY_READS");
-	phx_cuda *others[PF_MAX_DEVICES];
+
+	return !(v && !atoi(v)) && !__atomic_load_n(&d->direct_used, __ATOMIC_ACQUIRE);
+}
+
+/* The direct path ran: early reads off on every context (setup not held). */
+void pf_direct_early_off(struct pf_driver *d)
+{
+	phx_cuda *ctx[PF_MAX_DEVICES];
 	int i, n = 0;
 
-	if (v && !atoi(v))
-		return false;
-	pthread_mutex_lock(&d->lock);
+	if (__atomic_exchange_n(&d->direct_used, true, __ATOMIC_ACQ_REL))
+		return;
+	pthread_mutex_lock(&d->setup);
 	for (i = 0; i < PF_MAX_DEVICES; i++)
-		if (i != dev && d->ctx[i])
-			others[n++] = d->ctx[i];
-	pthread_mutex_unlock(&d->lock);
-	/* no context goes away while setup is held */
+		if (d->ctx[i])
+			ctx[n++] = d->ctx[i];
 	for (i = 0; i < n; i++)
-		phx_cuda_set_early_reads(others[i], 0);
-	if (n && !d->early_off_logged) {
-		pf_log("early reads off: device %d is a second device in this process, whose writes the others' early reads would not see",
-		       dev);
-		d->early_off_logged = true;
-	}
-	return n == 0;
+		phx_cuda_set_early_reads(ctx[i], 0);
+	pthread_mutex_unlock(&d->setup);
+	if (n)
+		pf_log("early reads off: the direct path (/dev/phx) is in use");
 }
 
 static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
@@ -165,7 +167,7 @@ static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
 		return ret;
 	phx_cuda_config_init(&cfg);
 	cfg.device = dev;
-	if (early_reads_setup(d, dev))
+	if (early_reads_wanted(d))
 		cfg.flags |= PHX_CUDA_EARLY_READS;
 	else
 		cfg.flags &= ~PHX_CUDA_EARLY_READS;
@@ -317,7 +319,7 @@ PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
 	for (i = 0; i < PF_MAX_DEVICES; i++) {
 		if (!d->ctx[i])
 			continue;
-		phx_cuda_stats(d->ctx[i], &cs);
+		phx_cuda_stats_get(d->ctx[i], &cs, sizeof(cs));
 		out.staging_errors += cs.errors;
 		out.staging_chunks += cs.chunks;
 		out.h2d_bytes += cs.h2d_bytes;
@@ -325,6 +327,7 @@ PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
 		out.pinned_bytes += cs.pinned_bytes;
 		out.early_reads += cs.early_reads;
 		out.early_misses += cs.early_misses;
+		out.bad_marks += cs.bad_marks;
 	}
 	pthread_mutex_unlock(&d->setup);
 	out.size = size;

@@ -226,14 +226,34 @@ static bool past(const struct timespec *until)
 	       (now.tv_sec == until->tv_sec && now.tv_nsec >= until->tv_nsec);
 }
 
-/* Lock held: wait until no transfer of @h is in flight, or -EBUSY. */
+/* Lock held: wait until *@inflight is 0 (a handle's, a buffer's), or -EBUSY at @until. */
+static int wait_zero_locked(struct pf_driver *d, const uint64_t *inflight,
+			    const struct timespec *until)
+{
+	while (*inflight)
+		if (pthread_cond_timedwait(&d->idle, &d->lock, until))
+			return *inflight ? -EBUSY : 0;
+	return 0;
+}
+
 static int wait_idle_locked(struct pf_driver *d, struct pf_handle *h,
 			    const struct timespec *until)
 {
-	while (h->inflight)
-		if (pthread_cond_timedwait(&d->idle, &d->lock, until))
-			return h->inflight ? -EBUSY : 0;
-	return 0;
+	return wait_zero_locked(d, &h->inflight, until);
+}
+
+/*
+ * Lock held: wait until no transfer on @b is in flight, at most
+ * PF_DEREG_WAIT_NS; -EBUSY then.  A transfer whose stream has passed ends
+ * a moment later, when libphx's poller calls its completion: a caller who
+ * synchronised the stream and deregisters at once waits that moment.
+ */
+int pf_wait_buf_idle_locked(struct pf_driver *d, struct pf_buf *b)
+{
+	struct timespec until;
+
+	deadline_of(&until, PF_DEREG_WAIT_NS);
+	return wait_zero_locked(d, &b->inflight, &until);
 }
 
 /*

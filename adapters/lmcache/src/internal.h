@@ -10,9 +10,10 @@
  *   setup  serialises open/close, context creation and (de)registration;
  *          CUDA and libphx calls may be made under it.
  *   lock   guards the registries, counters and in-flight counts for short
- *          moments; no CUDA call is ever made under it, because the host
- *          functions that end transfers take it on CUDA's callback thread
- *          (a CUDA call that waits for the streams would deadlock there).
+ *          moments; no CUDA call is ever made under it, because the
+ *          completions that end transfers take it on libphx's poller thread
+ *          or CUDA's callback thread (a CUDA call that waits for the
+ *          streams would deadlock there).
  * Registries change only with both held, so either one is enough to read.
  */
 #ifndef PHXFILE_INTERNAL_H
@@ -102,7 +103,7 @@ struct pf_driver {
 	size_t nlogged;
 	bool log_overflow;
 	bool nodev_logged;
-	bool early_off_logged;		/* "early reads off: a second device" said */
+	bool direct_used;		/* the direct path ran: early reads off (atomic) */
 	struct phxfile_stats st;
 };
 
@@ -115,12 +116,17 @@ int pf_ctx_get(struct pf_driver *d, int dev, phx_cuda **out);	/* no lock held */
 
 /* buffers.c (either lock held) */
 struct pf_buf *pf_buf_find_locked(struct pf_driver *d, uint64_t addr);
+/* handles.c (lock held): a buffer's transfers done, or -EBUSY after a bound */
+int pf_wait_buf_idle_locked(struct pf_driver *d, struct pf_buf *b);
 
 /* handles.c (either lock held) */
 struct pf_handle *pf_handle_find_locked(struct pf_driver *d, void *fh);
 /* setup held */
 int pf_handle_attach_setup(struct pf_driver *d, struct pf_handle *h, int dev, phx_cuda *cu);
 void pf_handles_attach_all_setup(struct pf_driver *d, int dev, phx_cuda *cu);
+
+/* driver.c */
+void pf_direct_early_off(struct pf_driver *d);
 
 /* direct.c */
 int pf_direct_map(struct pf_driver *d, struct pf_buf *b);
@@ -146,7 +152,6 @@ struct pf_op {
 	const int64_t *foff;
 	const int64_t *boff;
 	int64_t *bytes_done;		/* the caller's */
-	int64_t result;			/* libphx writes the staging result here */
 };
 
 void pf_op_finish(struct pf_op *o, int64_t res);

@@ -3,15 +3,22 @@
  * io.c - phxFileReadAsync/WriteAsync.
  *
  * Staging (any buffer without a /dev/phx mapping): the transfer is
- * libphx's phx_cuda_read_async/write_async on the caller's stream, with the
- * caller's size and offset pointers (read when the stream gets there) and
- * the result going to a slot of ours; behind it a host function
- * (op_done) copies the result into the caller's bytes_done, counts it and
- * logs a failure once.  Work queued after the call on the stream runs after
- * op_done, so bytes_done is valid once the stream has passed the transfer.
+ * libphx's phx_cuda_submit_async on the caller's stream, with the caller's
+ * size and offset pointers (read when the stream gets there) and its
+ * bytes_done, which libphx fills before the stream goes past the transfer.
+ * libphx then calls op_done on its poller thread: the transfer is counted,
+ * a failure logged once, and it no longer counts as in flight.  No host
+ * function is queued: each would stall the stream for a trip through
+ * CUDA's callback thread.
+ *
+ * A read of a range whose last write failed is refused here, at
+ * submission, with -EIO (libphx refuses it again when the stream arrives,
+ * should the range go bad meanwhile): LMCache then treats the chunk as
+ * missing instead of serving what the slab holds there.
  *
  * Direct (a registered buffer that /dev/phx mapped): one host function does
- * the file I/O on the mapping when the stream reaches it (direct.c).
+ * the file I/O on the mapping when the stream reaches it (direct.c); early
+ * reads go off on every context once it has run.
  *
  * Every transfer counts as in flight on its handle, its buffer and the
  * driver until its host function has run: deregistration and driver close
@@ -35,12 +42,17 @@ static void op_unpin_locked(struct pf_op *o)
 	pthread_cond_broadcast(&d->idle);
 }
 
-/* The end of a transfer, on the CUDA callback thread: never blocks. */
+/*
+ * The end of a transfer (libphx's poller thread, or CUDA's callback thread
+ * for the direct path): never blocks.  The caller's bytes_done is already
+ * written (libphx wrote it before releasing the stream; pf_direct_run did),
+ * and must not be touched again: the caller may have reused that memory as
+ * soon as its stream got past the transfer.
+ */
 void pf_op_finish(struct pf_op *o, int64_t res)
 {
 	struct pf_driver *d = o->d;
 
-	*o->bytes_done = res;
 	pthread_mutex_lock(&d->lock);
 	if (res < 0) {
 		pf_fail_locked(d, (int)res, o->h->path,
@@ -57,11 +69,10 @@ void pf_op_finish(struct pf_op *o, int64_t res)
 	free(o);
 }
 
-static void op_done(void *arg)
+/* libphx's completion, on its poller thread: never blocks. */
+static void op_done(void *arg, int64_t res)
 {
-	struct pf_op *o = arg;
-
-	pf_op_finish(o, o->result);
+	pf_op_finish(arg, res);
 }
 
 /*
@@ -116,6 +127,19 @@ static void op_abort(struct pf_op *o)
 static int queue_staging(struct pf_op *o, int dev, void *stream)
 {
 	struct pf_driver *d = o->d;
+	struct phx_cuda_async a = {
+		.size = sizeof(a),
+		.op = o->op,
+		.file = o->h->f,
+		.devptr_base = o->base,
+		.nbytes = o->size,
+		.file_offset = o->foff,
+		.buf_offset = o->boff,
+		.bytes_done = o->bytes_done,
+		.stream = stream,
+		.done = op_done,
+		.done_arg = o,
+	};
 	phx_cuda *cu;
 	int ret;
 
@@ -125,28 +149,10 @@ static int queue_staging(struct pf_op *o, int dev, void *stream)
 	pthread_mutex_lock(&d->lock);
 	d->st.staging_ops++;
 	pthread_mutex_unlock(&d->lock);
-	ret = o->op == PHX_OP_READ ?
-		phx_cuda_read_async(cu, o->h->f, o->base, o->size, o->foff, o->boff,
-				    &o->result, stream) :
-		phx_cuda_write_async(cu, o->h->f, o->base, o->size, o->foff, o->boff,
-				     &o->result, stream);
-	if (ret) {
+	ret = phx_cuda_submit_async(cu, &a);
+	if (ret)
 		pf_log("%s: libphx refused the transfer: %s", o->h->path, phx_cuda_strerror_last());
-		return ret;
-	}
-	ret = pf_cuda_launch(&d->cuda, dev, stream, op_done, o);
-	if (ret) {
-		/*
-		 * The transfer is queued and will write o->result; only its
-		 * bookkeeping could not be.  Wait for the stream here (no
-		 * host function of ours is pending) and finish it now.
-		 */
-		pf_log("%s: cannot queue the completion host function; waiting for the stream instead",
-		       o->h->path);
-		pf_cuda_sync(&d->cuda, dev, stream);
-		op_done(o);
-	}
-	return 0;
+	return ret;
 }
 
 static int queue_direct(struct pf_op *o, int dev, void *stream)
@@ -156,6 +162,7 @@ static int queue_direct(struct pf_op *o, int dev, void *stream)
 	pthread_mutex_lock(&d->lock);
 	d->st.direct_ops++;
 	pthread_mutex_unlock(&d->lock);
+	pf_direct_early_off(d);
 	return pf_cuda_launch(&d->cuda, dev, stream, pf_direct_run, o);
 }
 
@@ -186,6 +193,19 @@ static int transfer(uint32_t op, void *fh, void *buf_base, size_t *nbytes,
 		return pf_submit_fail(d, ret, NULL, ret == -EBADF ?
 				      "transfer on an unregistered file handle" :
 				      "transfer on memory that is not on a GPU");
+	}
+	/* a range whose last write failed holds no KV anyone may load */
+	if (op == PHX_OP_READ && *file_offset >= 0 &&
+	    phx_file_check_range(o->h->f, (uint64_t)*file_offset, *nbytes)) {
+		char path[PATH_MAX];
+
+		snprintf(path, sizeof(path), "%s", o->h->path);
+		pthread_mutex_lock(&d->lock);
+		d->st.bad_refusals++;
+		pthread_mutex_unlock(&d->lock);
+		op_abort(o);
+		free(o);
+		return pf_submit_fail(d, -EIO, path, "phxFileReadAsync (the range's last write failed)");
 	}
 	if (o->b && o->b->host)
 		ret = queue_direct(o, dev, stream);

@@ -98,6 +98,19 @@ def written(h, data: np.ndarray, foff: int, s: int) -> int:
     return buf
 
 
+def settled() -> dict:
+    """phx_lmcache.stats() once no transfer counts as in flight: libphx ends a
+    transfer (its counters, its log line) on its poller thread a moment after
+    the stream has passed it, so a check that has just synchronised waits
+    for that moment before reading the counters."""
+    deadline = time.monotonic() + 5
+    st = phx_lmcache.stats()
+    while st["inflight"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+        st = phx_lmcache.stats()
+    return st
+
+
 class Skip(Exception):
     pass
 
@@ -145,7 +158,7 @@ def check_roundtrip_chunks():
         got = view(buf + dst_off, pos)
         assert (got == data[:pos]).all(), "bytes differ"
         assert deregister(src) == 0
-    st = phx_lmcache.stats()
+    st = settled()
     assert st["failures"] == 0 and st["reads"] > 0 and st["writes"] == len(chunks), st
     h.close()
     for r in range(nreg):
@@ -193,7 +206,8 @@ def _queued_reads(h, dst: int, data: np.ndarray, s: int, n: int = 6) -> int:
 
 def check_early_reads():
     """libphx's early reads are on by default in libphxfile (the slab is this
-    process's alone), off with PHX_CUDA_EARLY_READS=0; right either way.  On the
+    process's alone), off with PHX_CUDA_EARLY_READS=0 and once the direct path
+    has run (here: the slab written through it); right either way.  On the
     direct path registered buffers bypass staging, so there the reads go into an
     unregistered buffer, which staging serves on either path."""
     direct = phx_lmcache.stats()["path"] == "direct"
@@ -208,6 +222,9 @@ def check_early_reads():
     early = _queued_reads(h, dst, data, s)
     if os.environ.get("PHX_CUDA_EARLY_READS") == "0":
         assert early == 0, f"{early} early reads with PHX_CUDA_EARLY_READS=0"
+    elif direct:
+        # the slab was written through the direct path: early reads are off
+        assert early == 0, f"{early} early reads after the direct path ran"
     else:
         assert early >= 3, f"only {early} of 6 reads behind a busy stream were early"
     h.close()
@@ -216,9 +233,12 @@ def check_early_reads():
         deregister(dst)
 
 
-def check_second_device_turns_early_reads_off():
-    """A second device in the process (FAKE_CUDA_DEVICES=2): its writes would be
-    unseen by the first device's early reads, so they go off on every device."""
+def check_second_device_writes_void_early_reads():
+    """Two devices in one process (FAKE_CUDA_DEVICES=2), early reads on for both:
+    device 0's reads, queued behind a busy stream, read early; device 1 then
+    rewrites their range through its own context before device 0's stream gets
+    there.  libphx's per-inode write log sees a write from any context, so the
+    early bytes are thrown away and the reads return device 1's data."""
     if os.environ.get("FAKE_CUDA_DEVICES", "1") == "1":
         raise Skip("needs FAKE_CUDA_DEVICES=2")
     ctxs = []
@@ -235,15 +255,31 @@ def check_second_device_turns_early_reads_off():
     buf = written(h, data, 0, s)
     assert _queued_reads(h, dst, data, s, 4) >= 2, "device 0 alone: no early reads"
     assert cuda.cuCtxPopCurrent_v2(None) == 0
-    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0          # device 1 writes the slab
-    data[: MiB] = random(MiB)
+    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0          # device 1 has a context now
     buf1 = written(h, data[: MiB], 0, stream())
     assert cuda.cuCtxPopCurrent_v2(None) == 0
+    # device 0: reads behind a busy stream, early pieces read ...
     assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
-    assert _queued_reads(h, dst, data, s, 4) == 0, "early reads still on with two devices"
+    misses = phx_lmcache.stats()["early_misses"]
+    busy(s, 300)
+    subs = [(h.read_async(dst, 300001 + i, 4096 * i + 3 * i, 400000 * i + i, s),
+             300001 + i, 4096 * i + 3 * i, 400000 * i + i) for i in range(4)]
+    time.sleep(0.1)
     assert cuda.cuCtxPopCurrent_v2(None) == 0
+    # ... then device 1 rewrites their range, done before device 0's stream arrives
+    new = random(2 * MiB)
+    data[: 2 * MiB] = new
+    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0
+    buf2 = written(h, new, 0, stream())
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    sync(s)
+    for sub, size, foff, boff in subs:
+        assert sub.bytes_done == size, (sub.bytes_done, size)
+        assert (view(dst + boff, size) == data[foff:foff + size]).all(), \
+            "an early read served bytes another device's context had rewritten"
+    assert phx_lmcache.stats()["early_misses"] - misses >= 1, "no early read was voided"
     h.close()
-    for p in (buf, dst, buf1):
+    for p in (buf, dst, buf1, buf2):
         assert deregister(p) == 0
 
 
@@ -306,7 +342,7 @@ def check_threads_and_streams():
 
 def check_unregistered_buffer():
     """An unregistered GPU buffer works and is counted; host memory is -EINVAL."""
-    before = phx_lmcache.stats()["unregistered_ops"]
+    before = settled()["unregistered_ops"]
     n = MiB + 5
     data = random(n)
     src = alloc(n)
@@ -319,7 +355,7 @@ def check_unregistered_buffer():
     sync(s)
     assert (w.bytes_done, r.bytes_done) == (n, n)
     assert (view(dst, n) == data).all()
-    assert phx_lmcache.stats()["unregistered_ops"] == before + 2
+    assert settled()["unregistered_ops"] == before + 2
     host = np.zeros(4096, dtype=np.uint8)
     try:
         h.read_async(host.ctypes.data, 4096, 0, 0, s)
@@ -353,11 +389,11 @@ def check_enospc():
                 f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC
-    before = phx_lmcache.stats()["failures"]
+    before = settled()["failures"]
     bad = [h.write_async(src, n, (8 + 2 * i) * MiB, 0, s) for i in range(2)]
     sync(s)
     assert [b.bytes_done for b in bad] == [-errno.ENOSPC] * 2, [b.bytes_done for b in bad]
-    st = phx_lmcache.stats()
+    st = settled()
     assert st["failures"] == before + 2 and st["last_error"] == -errno.ENOSPC, st
     dst = alloc(n)
     register(dst, n)
@@ -421,7 +457,7 @@ def check_closed_fd():
 
 
 def check_registration_rules():
-    """Overlaps, unknown bases, deregistration with I/O in flight."""
+    """Overlaps, unknown bases; deregistration with I/O in flight waits for it."""
     n = 2 * MiB
     p = alloc(n)
     register(p, n)
@@ -432,10 +468,11 @@ def check_registration_rules():
     s = stream()
     busy(s, 200)
     sub = h.read_async(p, n, 0, 0, s)
-    assert deregister(p) == -errno.EBUSY
-    sync(s)
+    t0 = time.monotonic()
+    assert deregister(p) == 0            # waits for the transfer in flight
+    assert time.monotonic() - t0 > 0.1, "deregistration did not wait for the transfer"
     assert sub.bytes_done == n
-    assert deregister(p) == 0
+    sync(s)
     assert deregister(p) == -errno.ENOENT
     h.close()
 
@@ -460,7 +497,7 @@ def check_close_with_io_in_flight():
     waited = time.monotonic() - t0
     assert waited > 0.2, f"deregistration did not wait ({waited:.3f} s)"
     assert w.bytes_done == n, w.bytes_done
-    assert phx_lmcache.stats()["inflight"] == 0
+    assert settled()["inflight"] == 0
     assert (np.fromfile(os.path.join(WORK, "inflight", "lmcache_gds_slab.bin"),
                         dtype=np.uint8, count=n) == data).all()
     assert deregister(p) == 0

@@ -22,6 +22,8 @@ cdef extern from "phx_cuda.h" nogil:
         PHX_CUDA_FEAT_MEMOPS
         PHX_CUDA_FEAT_BATCH_COPY
         PHX_CUDA_FEAT_FIXED_BUFS
+        PHX_CUDA_FEAT_EARLY_READS
+        PHX_CUDA_FEAT_DEAD
 
     const unsigned int PHX_CUDA_MAX_PINNED
 
@@ -72,6 +74,16 @@ cdef extern from "phx_cuda.h" nogil:
         uint64_t pinned_bytes
         uint64_t early_reads
         uint64_t early_misses
+        uint64_t stream_released
+        uint64_t stream_queue_ns
+        uint64_t stream_data_ns
+        uint64_t stream_gpu_ns
+        uint64_t queue_waits
+        uint64_t early_refused
+        uint64_t bad_marks
+        uint64_t bad_refusals
+        uint64_t orphans
+        uint64_t broken
 
     int phx_cuda_available(char *why, size_t len)
     const char *phx_cuda_strerror_last()
@@ -102,4 +114,7 @@ cdef extern from "phx_cuda.h" nogil:
                              const size_t *size, const int64_t *file_offset,
                              const int64_t *buf_offset, int64_t *bytes_done, void *stream)
     void phx_cuda_stats(phx_cuda *cu, phx_cuda_stats_s *st)
+    void phx_cuda_stats_get(phx_cuda *cu, phx_cuda_stats_s *st, size_t size)
     void phx_cuda_stats_reset(phx_cuda *cu)
+    const char *phx_cuda_memops_why(const phx_cuda *cu)
+    int phx_cuda_set_early_reads(phx_cuda *cu, int on)

@@ -323,6 +323,8 @@ cdef class Context:
         d["memops"] = bool(feat & PHX_CUDA_FEAT_MEMOPS)
         d["batch_copy"] = bool(feat & PHX_CUDA_FEAT_BATCH_COPY)
         d["fixed_bufs"] = bool(feat & PHX_CUDA_FEAT_FIXED_BUFS)
+        d["dead"] = bool(feat & PHX_CUDA_FEAT_DEAD)
+        d["stream_ops_why"] = phx_cuda_memops_why(self.cu).decode()
         d["pinned_bytes"] = self.stats()["pinned_bytes"]
         d["staging_node"] = phx_cuda_staging_node(self.cu)
         return d
@@ -334,8 +336,9 @@ cdef class Context:
         return phx_cuda_staging_node(self._get())
 
     def stats(self) -> dict:
+        """Every counter of phx_cuda_stats (the stream ops' time split too)."""
         cdef phx_cuda_stats_s st
-        phx_cuda_stats(self._get(), &st)
+        phx_cuda_stats_get(self._get(), &st, sizeof(st))
         cdef dict d = st
         return d
 

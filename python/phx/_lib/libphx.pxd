@@ -79,6 +79,8 @@ cdef extern from "phx.h" nogil:
         uint64_t sqes
         uint64_t submits
         uint64_t errors
+        uint64_t bad_marks
+        uint64_t bad_refusals
 
     void phx_engine_config_init(phx_engine_config *cfg)
     int phx_engine_create(const phx_engine_config *cfg, phx_engine **out)
@@ -88,6 +90,7 @@ cdef extern from "phx.h" nogil:
     int phx_engine_eventfd(phx_engine *eng)
     void phx_engine_stats(phx_engine *eng, phx_stats *st)
     void phx_engine_stats_reset(phx_engine *eng)
+    int phx_file_check_range(const phx_file *f, uint64_t offset, uint64_t len)
 
     int phx_file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
                       uint32_t phx_flags, phx_file **out)

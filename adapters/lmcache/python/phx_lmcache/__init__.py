@@ -25,6 +25,7 @@ STATS_FIELDS = (
     "submit_errors", "unregistered_ops", "direct_ops", "staging_ops", "direct_fallbacks",
     "buffers", "handles", "inflight", "last_error", "staging_errors", "staging_chunks",
     "h2d_bytes", "d2h_bytes", "pinned_bytes", "early_reads", "early_misses",
+    "bad_refusals", "bad_marks",
 )
 #: enum phxfile_path
 PATHS = {0: "none", 1: "staging", 2: "direct"}
@@ -34,7 +35,7 @@ class _Stats(ctypes.Structure):
     _fields_ = ([("size", ctypes.c_uint32), ("path", ctypes.c_uint32)]
                 + [(n, ctypes.c_int64 if n == "last_error" else ctypes.c_uint64)
                    for n in STATS_FIELDS]
-                + [("reserved", ctypes.c_uint64 * 6)])
+                + [("reserved", ctypes.c_uint64 * 4)])
 
 
 def library_path() -> str:
