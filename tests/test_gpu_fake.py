@@ -54,14 +54,34 @@ def fake_build(tmp_path_factory):
     return d
 
 
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs (root): the ENOSPC test's full filesystem, or None."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)],
+            capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
 @pytest.mark.parametrize("mode", ["batch-copy", "no-batch-copy", "devices-2", "devices-3", "asan",
-                                  "early", "asan-early"])
-def test_c_api_against_fake_cuda(fake_build, tmp_path, mode):
+                                  "early", "asan-early", "broken", "asan-broken"])
+def test_c_api_against_fake_cuda(fake_build, tmp_path, small_fs, mode):
     """cuda_fake_test.c; with devices-N it runs its one-process, N-device tests
     (a context per device, a thread feeding each, EXDEV across devices, staging
     on the device's NUMA node through a fake sysfs) instead of the others; asan
     runs the single-device tests built with AddressSanitizer (leaks included);
-    early with every context's early reads on (PHX_CUDA_EARLY_READS=1)."""
+    early with every context's early reads on (PHX_CUDA_EARLY_READS=1); broken
+    only the faulting-kernel test (it kills the fake's context).  batch-copy
+    runs the early-reads-against-a-writer test with the issue's 1 GiB write
+    (64 MiB elsewhere), and every single-device mode the ENOSPC test on an
+    8 MiB tmpfs (root)."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
     env.pop("PHX_TEST_SYSFS_ROOT", None)
     if mode == "no-batch-copy":
@@ -70,11 +90,21 @@ def test_c_api_against_fake_cuda(fake_build, tmp_path, mode):
         env["FAKE_CUDA_DEVICES"] = mode.split("-")[1]
     if mode.endswith("early"):
         env["PHX_CUDA_EARLY_READS"] = "1"
+    if mode.endswith("broken"):
+        env["PHX_FAKE_TEST"] = "broken"
+    if mode == "batch-copy":
+        env["PHX_TEST_BIG_WRITE"] = str(1 << 30)
+    if small_fs:
+        env["PHX_TEST_SMALLFS"] = small_fs
+    elif os.geteuid() == 0 and not mode.startswith("devices-"):
+        pytest.fail("cannot mount the 8 MiB tmpfs the ENOSPC test needs")
     exe = "cuda_fake_test_asan" if mode.startswith("asan") else "cuda_fake_test"
     r = subprocess.run([str(fake_build / exe), str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all passed" in r.stdout
+    if small_fs and not mode.startswith("devices-") and not mode.endswith("broken"):
+        assert "skip failed_write_is_never_data" not in r.stdout
 
 
 PY_CHECK = textwrap.dedent(r"""

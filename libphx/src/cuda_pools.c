@@ -93,7 +93,9 @@ void poller_add(phx_cuda *c, struct cu_req *rq)
 	rq->p_next = c->p_incoming;
 	c->p_incoming = rq;
 	pthread_mutex_unlock(&c->lock);
-	__atomic_add_fetch(&c->stream_live, 1, __ATOMIC_ACQ_REL);
+	/* the first one in flight: the copier's health check starts looking */
+	if (__atomic_fetch_add(&c->stream_live, 1, __ATOMIC_ACQ_REL) == 0)
+		waker_kick(c->copier_efd);
 	waker_kick(c->poller_efd);
 }
 

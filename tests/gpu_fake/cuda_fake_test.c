@@ -63,6 +63,12 @@ static int (*PrimaryCtxRetain)(void **, int);
 static int (*PrimaryCtxRelease)(int);
 static int (*CtxSetCurrent)(void *);
 static int (*CtxRetained)(int);
+static int (*AllocSegments)(uint64_t *, int, size_t);
+static void (*StreamCapture)(void *, int);
+static int (*FaultAsync)(void *);
+static void (*FailLaunch)(int);
+static void (*FailWriteValue)(int);
+static int (*WaitValue32)(void *, uint64_t, uint32_t, unsigned);
 
 static uint64_t rng = 88172645463325252ull;
 
@@ -1035,6 +1041,599 @@ static void test_devices(phx_engine *eng, int ndev)
 	free(data);
 }
 
+
+/* ------------------------------------------------------------------------ */
+/* Issue 22: stream ops under what real programs do                         */
+/* ------------------------------------------------------------------------ */
+
+struct nc_arg {
+	phx_cuda *c;
+	phx_file *f;
+	uint64_t buf, src;
+	const unsigned char *data;
+	int ok;
+};
+
+/*
+ * A thread that never made a CUDA call (no current context: LMCache's and
+ * vLLM's workers): stream reads and writes and host calls work there, and
+ * leave the thread without a context, as they found it.
+ */
+static void *nc_main(void *arg)
+{
+	struct nc_arg *a = arg;
+	size_t size = 300001, wsize = 70001;
+	int64_t foff = 4099, boff = 5, done = -1, woff = 2 * MiB + 3, wb = 0, wdone = -1;
+	void *s = NULL;
+
+	a->ok = phx_cuda_read_async(a->c, a->f, a->buf, &size, &foff, &boff, &done, s) == 0 &&
+		phx_cuda_write_async(a->c, a->f, a->src, &wsize, &woff, &wb, &wdone, s) == 0;
+	/* the legacy stream needs a context to be synchronised: the fake's does not */
+	StreamSynchronize(s);
+	a->ok = a->ok && done == (int64_t)size && wdone == (int64_t)wsize &&
+		!memcmp(dev(a->buf + 5), a->data + 4099, size) &&
+		phx_cuda_pread(a->c, a->f, a->buf, 4096, 1) == 4096 &&
+		!memcmp(dev(a->buf), a->data + 1, 4096);
+	if (!a->ok)
+		fprintf(stderr, "no-context thread: %" PRId64 " %" PRId64 " [%s]\n", done, wdone,
+			phx_cuda_strerror_last());
+	return NULL;
+}
+
+static void test_no_context_thread(phx_cuda *c, phx_engine *eng)
+{
+	size_t fsize = 3 * MiB;
+	unsigned char *data = make_file("noctx.bin", fsize);
+	struct nc_arg a = { .c = c, .data = data };
+	pthread_t t;
+
+	phx_file_open(eng, path_of("noctx.bin"), O_RDWR, 0, 0, &a.f);
+	MemAlloc(&a.buf, MiB);
+	MemAlloc(&a.src, 70001);
+	fill_random(dev(a.src), 70001);
+	pthread_create(&t, NULL, nc_main, &a);
+	pthread_join(t, NULL);
+	CHECK(a.ok, "stream and host I/O from a thread with no CUDA context");
+	CHECK(phx_file_close(a.f) == 0, "close");
+	{
+		size_t got;
+		unsigned char *now = read_file("noctx.bin", &got);
+
+		CHECK(!memcmp(now + 2 * MiB + 3, dev(a.src), 70001), "the no-context write's bytes");
+		free(now);
+	}
+	MemFree(a.buf);
+	MemFree(a.src);
+	free(data);
+}
+
+/*
+ * A short read fills exactly the bytes it reports and leaves the rest of
+ * the destination alone: many rounds, the end of file inside one, the
+ * destination prefilled; stream-ordered and host-async.
+ */
+static void test_short_read_exact(phx_cuda *c, phx_engine *eng, void *s)
+{
+	size_t fsize = MiB + 7, size = 3 * MiB, i;
+	unsigned char *data = make_file("short.bin", fsize);
+	int64_t foff = 100, boff = 3, done = -1;
+	uint64_t buf;
+	phx_file *f;
+	bool clean = true;
+
+	phx_file_open(eng, path_of("short.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, 4 * MiB);
+	memset(dev(buf), 0xA5, 4 * MiB);
+	SleepAsync(s, 20000);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "queue");
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)(fsize - 100), "short stream read: %" PRId64, done);
+	CHECK(!memcmp(dev(buf + 3), data + 100, fsize - 100), "short stream read bytes");
+	for (i = 3 + fsize - 100; i < 4 * MiB && clean; i++)
+		clean = dev(buf)[i] == 0xA5;
+	CHECK(clean && dev(buf)[2] == 0xA5, "a short stream read wrote past what it reported (byte %zu)", i);
+	memset(dev(buf), 0xA5, 4 * MiB);
+	CHECK(phx_cuda_pread(c, f, buf + 3, 3 * MiB, 100) == (int64_t)(fsize - 100), "short pread");
+	for (i = 3 + fsize - 100, clean = true; i < 4 * MiB && clean; i++)
+		clean = dev(buf)[i] == 0xA5;
+	CHECK(clean, "a short host read wrote past what it reported (byte %zu)", i);
+	phx_file_close(f);
+	MemFree(buf);
+	free(data);
+}
+
+/*
+ * Backpressure: 20,000 ops on one stream (five times the slots) are queued
+ * without an error (the call waits for slots) and all come back right.
+ */
+static void test_backpressure(phx_cuda *c, phx_engine *eng, void *s)
+{
+	enum { N = 20000, SZ = 4096 + 13 };
+	size_t fsize = 2 * MiB + 77;
+	unsigned char *data = make_file("bp.bin", fsize);
+	static int64_t foff[N], boff[N], done[N];
+	static size_t size[N];
+	struct phx_cuda_stats st;
+	uint64_t buf;
+	phx_file *f;
+	int i, bad = 0, refused = 0;
+
+	phx_file_open(eng, path_of("bp.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, (size_t)N * 64);
+	SleepAsync(s, 50000);
+	for (i = 0; i < N; i++) {
+		size[i] = 1 + (size_t)(i % 61);
+		foff[i] = (int64_t)((uint64_t)i * 7919 % (fsize - 64));
+		boff[i] = (int64_t)i * 64;
+		done[i] = -1;
+		refused += phx_cuda_read_async(c, f, buf, &size[i], &foff[i], &boff[i], &done[i], s) != 0;
+	}
+	StreamSynchronize(s);
+	for (i = 0; i < N; i++)
+		if (done[i] != (int64_t)size[i] || memcmp(dev(buf + boff[i]), data + foff[i], size[i]))
+			bad++;
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(!refused && !bad, "20,000 ops on one stream: %d refused, %d wrong", refused, bad);
+	CHECK(st.queue_waits > 0, "no submission waited for a slot");
+	CHECK(phx_file_close(f) == 0, "close");
+	MemFree(buf);
+	free(data);
+}
+
+/* An op of more rounds than the old cap (4096): one descriptor ring, reused. */
+static void test_many_rounds(phx_engine *eng, void *s)
+{
+	phx_cuda *c = ctx(eng, 2, 4, 64 * KiB, 0);
+	size_t n = 4500 * 64 * KiB + 4097, size = n;
+	unsigned char *data = make_file("rounds.bin", n + 8192);
+	int64_t foff = 8191, boff = 1, done = -1;
+	uint64_t buf;
+	phx_file *f;
+
+	phx_file_open(eng, path_of("rounds.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, n + 1);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "queue");
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)n && !memcmp(dev(buf + 1), data + 8191, n),
+	      "a read of 4,500+ rounds: %" PRId64, done);
+	phx_file_close(f);
+	phx_cuda_destroy(c);
+	MemFree(buf);
+	free(data);
+}
+
+/*
+ * Host-async requests ordered after a stream op on the same stream (as
+ * File.pread on a GPU tensor does) while that op waits for its stream: with
+ * few buffers, they must not hold all of them (the op needs one, and they
+ * wait for the op).  Both complete.
+ */
+static void test_mixed_no_deadlock(phx_engine *eng, void *s)
+{
+	enum { N = 64 };
+	phx_cuda *c = ctx(eng, 2, 2, 64 * KiB, 0);
+	size_t fsize = 8 * MiB, size = 200000;
+	unsigned char *data = make_file("mixed.bin", fsize);
+	struct phx_cuda_io ios[N], *p[N];
+	int64_t foff = 77, boff = 0, done = -1;
+	uint64_t buf, hb;
+	phx_file *f;
+	int i, bad = 0;
+
+	phx_file_open(eng, path_of("mixed.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, size);
+	MemAlloc(&hb, (size_t)N * 60000);
+	SleepAsync(s, 100000);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "stream op");
+	for (i = 0; i < N; i++) {
+		phx_cuda_io_prep(&ios[i], f, PHX_OP_READ, hb + (uint64_t)i * 60000, 60000,
+				 (uint64_t)i * 100000 + 3);
+		p[i] = &ios[i];
+	}
+	CHECK(phx_cuda_submit_after(c, p, N, s) == 0, "host-async after the stream op");
+	for (i = 0; i < N; i++) {
+		CHECK(phx_cuda_wait(c, &ios[i], 20ll * 1000000000) == 0, "host request %d hung", i);
+		if (ios[i].result != 60000 || memcmp(dev(hb + (uint64_t)i * 60000), data + i * 100000 + 3, 60000))
+			bad++;
+	}
+	StreamSynchronize(s);
+	CHECK(!bad && done == 200000 && !memcmp(dev(buf), data + 77, 200000),
+	      "mixed on one stream: %d host wrong, stream %" PRId64, bad, done);
+	phx_file_close(f);
+	phx_cuda_destroy(c);
+	MemFree(buf);
+	MemFree(hb);
+	free(data);
+}
+
+/*
+ * Host-async copies in flight while another thread makes a device-wide
+ * synchronising call: the copier may block, the stream ops (lanes and the
+ * poller make no CUDA call) finish, the synchronisation ends, then the
+ * host-async requests finish too.
+ */
+static void test_host_and_stream_survive_device_sync(phx_cuda *c, phx_engine *eng, void *s)
+{
+	enum { N = 32 };
+	size_t fsize = 4 * MiB, size = MiB + 5;
+	unsigned char *data = make_file("sync3.bin", fsize);
+	struct phx_cuda_io ios[N], *p[N];
+	int64_t foff = 3, boff = 0, done = -1;
+	uint64_t buf, hb;
+	phx_file *f;
+	int i, bad = 0;
+
+	phx_file_open(eng, path_of("sync3.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, size);
+	MemAlloc(&hb, (size_t)N * 50000);
+	for (i = 0; i < N; i++) {
+		phx_cuda_io_prep(&ios[i], f, PHX_OP_READ, hb + (uint64_t)i * 50000, 50000,
+				 (uint64_t)i * 70000 + 1);
+		p[i] = &ios[i];
+	}
+	SleepAsync(s, 30000);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "stream op");
+	CHECK(phx_cuda_submit(c, p, N) == 0, "host-async");
+	CHECK(DeviceSync(10000) == 0, "a device-wide synchronisation hung");
+	for (i = 0; i < N; i++) {
+		phx_cuda_wait(c, &ios[i], -1);
+		if (ios[i].result != 50000 || memcmp(dev(hb + (uint64_t)i * 50000), data + i * 70000 + 1, 50000))
+			bad++;
+	}
+	CHECK(!bad && done == (int64_t)size && !memcmp(dev(buf), data + 3, size),
+	      "after the device sync: %d host wrong, stream %" PRId64, bad, done);
+	phx_file_close(f);
+	MemFree(buf);
+	MemFree(hb);
+	free(data);
+}
+
+/*
+ * A tensor over several mapped segments (PyTorch's expandable segments):
+ * reads and writes across the boundaries work; past the last segment is
+ * -EFAULT.
+ */
+static void test_segments(phx_cuda *c, phx_engine *eng, void *s)
+{
+	size_t seg = 512 * KiB, n = 3 * seg + 1000, size = n, wsize = 2 * seg;
+	unsigned char *data = make_file("seg.bin", 4 * MiB);
+	int64_t foff = 5, boff = 100, done = -1, woff = 3 * MiB, wb = seg / 2, wdone = -1;
+	uint64_t buf;
+	phx_file *f;
+
+	phx_file_open(eng, path_of("seg.bin"), O_RDWR, 0, 0, &f);
+	CHECK(AllocSegments(&buf, 4, seg) == 0, "segments");
+	memset(dev(buf), 0, 4 * seg);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0,
+	      "stream read over segments: %s", phx_cuda_strerror_last());
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)n && !memcmp(dev(buf + 100), data + 5, n),
+	      "stream read over segments: %" PRId64, done);
+	{
+		int64_t r = phx_cuda_pread(c, f, buf + 7, 3 * seg, 11);
+
+		CHECK(r == (int64_t)(3 * seg) && !memcmp(dev(buf + 7), data + 11, 3 * seg),
+		      "host read over segments: %" PRId64, r);
+	}
+	CHECK(phx_cuda_write_async(c, f, buf, &wsize, &woff, &wb, &wdone, s) == 0, "write");
+	StreamSynchronize(s);
+	CHECK(wdone == (int64_t)wsize, "stream write over segments: %" PRId64, wdone);
+	CHECK(phx_cuda_pread(c, f, buf, 4 * seg + 1, 0) == -EFAULT, "past the last segment accepted");
+	phx_file_close(f);
+	{
+		size_t got;
+		unsigned char *now = read_file("seg.bin", &got);
+
+		CHECK(!memcmp(now + 3 * MiB, dev(buf + seg / 2), wsize), "bytes written over segments");
+		free(now);
+	}
+	free(data);
+}
+
+/* A stream capturing a graph is refused, stream ops and ordered host ops alike. */
+static void test_capture_refused(phx_cuda *c, phx_engine *eng)
+{
+	struct phx_cuda_io io, *p = &io;
+	size_t size = 100;
+	int64_t z = 0, done = 5;
+	uint64_t buf;
+	phx_file *f;
+	void *s;
+
+	free(make_file("cap.bin", 4096));
+	phx_file_open(eng, path_of("cap.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, 4096);
+	StreamCreate(&s, 1);
+	StreamCapture(s, 1);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &z, &z, &done, s) == -EBUSY,
+	      "a stream op on a capturing stream was accepted");
+	CHECK(strstr(phx_cuda_strerror_last(), "graph") != NULL, "message: %s", phx_cuda_strerror_last());
+	phx_cuda_io_prep(&io, f, PHX_OP_READ, buf, 100, 0);
+	CHECK(phx_cuda_submit_after(c, &p, 1, s) == -EBUSY, "submit_after on a capturing stream");
+	StreamCapture(s, 0);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &z, &z, &done, s) == 0, "after the capture");
+	StreamSynchronize(s);
+	CHECK(done == 100, "after the capture: %" PRId64, done);
+	CHECK(phx_file_close(f) == 0, "close");
+	MemFree(buf);
+}
+
+/*
+ * A stream op whose GPU work could only be partly queued (the driver refused
+ * a later command): the call still returns 0 (the arrival is queued), the
+ * result is -EIO, the destination is untouched, later ops work, and
+ * destroy does not hang.
+ */
+static void test_partly_queued(phx_engine *eng, void *s)
+{
+	phx_cuda *c = ctx(eng, 2, 2, 64 * KiB, 0);
+	unsigned char *data = make_file("orph.bin", MiB);
+	size_t size = 300000, k;
+	int64_t foff = 1, boff = 0, done = 7;
+	struct phx_cuda_stats st;
+	uint64_t buf;
+	phx_file *f;
+	bool clean = true;
+
+	phx_file_open(eng, path_of("orph.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, size);
+	memset(dev(buf), 0x3C, size);
+	for (k = 0; k < 3; k++) {
+		/* the 2nd, 4th, 6th kernel launch of the op fails: round 0, 1 or 2 */
+		done = 7;
+		FailLaunch(1 + 2 * (int)k);
+		CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0,
+		      "partly queued op refused at the call");
+		StreamSynchronize(s);
+		CHECK(done == -EIO, "partly queued op %zu: bytes_done %" PRId64, k, done);
+	}
+	FailLaunch(-1);
+	for (k = 0; k < size && clean; k++)
+		clean = dev(buf)[k] == 0x3C;
+	CHECK(clean, "a partly queued op wrote the destination (byte %zu)", k);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "next op");
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)size && !memcmp(dev(buf), data + 1, size), "an op after orphans");
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(st.orphans == 3, "%" PRIu64 " orphans counted", st.orphans);
+	CHECK(phx_file_close(f) == 0, "close");
+	CHECK(phx_cuda_destroy(c) == 0, "destroy with orphans");
+	MemFree(buf);
+	free(data);
+}
+
+/* An engine whose file GPU work holds is not destroyed (its lanes use the fd). */
+static void test_engine_destroy_busy(phx_cuda *c)
+{
+	phx_engine *e2;
+	phx_file *f;
+
+	free(make_file("held.bin", 4096));
+	CHECK(phx_engine_create(NULL, &e2) == 0, "engine");
+	phx_file_open(e2, path_of("held.bin"), O_RDONLY, 0, 0, &f);
+	CHECK(phx_cuda_file_register(c, f) == 0, "register");
+	CHECK(phx_engine_destroy(e2) == -EBUSY, "an engine with a held file was destroyed");
+	CHECK(phx_cuda_file_deregister(c, f) == 0, "deregister");
+	CHECK(phx_engine_destroy(e2) == 0, "destroy after deregistration");
+}
+
+/*
+ * Drivers of CUDA 12: the copy kernels' PTX declares ISA 7.0, which a CUDA
+ * 12.0 driver (ISA 8.0) compiles; a driver that refuses it leaves the
+ * context without stream ops, and the context says why.
+ */
+static void test_old_drivers(phx_engine *eng)
+{
+	phx_cuda *c;
+
+	setenv("FAKE_CUDA_PTX_MAX", "8.0", 1);
+	c = ctx(eng, 1, 2, 64 * KiB, 0);
+	CHECK(phx_cuda_features(c) & PHX_CUDA_FEAT_MEMOPS, "a CUDA 12.0 driver lost stream ops: %s",
+	      phx_cuda_memops_why(c));
+	phx_cuda_destroy(c);
+	setenv("FAKE_CUDA_PTX_MAX", "6.4", 1);
+	c = ctx(eng, 1, 2, 64 * KiB, 0);
+	CHECK(!(phx_cuda_features(c) & PHX_CUDA_FEAT_MEMOPS), "PTX 7.0 loaded on an ISA 6.4 driver");
+	CHECK(strstr(phx_cuda_memops_why(c), "PTX") != NULL, "why: %s", phx_cuda_memops_why(c));
+	phx_cuda_destroy(c);
+	unsetenv("FAKE_CUDA_PTX_MAX");
+}
+
+/*
+ * A writer thread's large pwrite through another handle of the same file
+ * (a host engine) is in flight while a delayed stream read of its tail is
+ * queued with early reads on: the early read must not stand; once the
+ * write is done and the stream arrives, the read returns the new bytes.
+ */
+struct big_w {
+	phx_file *f;
+	unsigned char *src;
+	size_t n;
+	int64_t res;
+};
+
+static void *big_writer(void *arg)
+{
+	struct big_w *w = arg;
+
+	w->res = phx_pwrite(w->f, w->src, w->n, 0);
+	return NULL;
+}
+
+static void test_early_vs_writer(phx_engine *eng, void *s, size_t n)
+{
+	phx_cuda *c = ctx(eng, 3, 4, 256 * KiB, PHX_CUDA_EARLY_READS);
+	unsigned char *old = make_file("bigw.bin", n), *src = NULL;
+	size_t size = 3 * MiB + 11;
+	int64_t foff = (int64_t)(n - size - 5), boff = 0, done = -1;
+	struct big_w w = { .n = n };
+	struct phx_cuda_stats st;
+	static uint32_t gate;
+	phx_engine *host;
+	phx_file *f;
+	uint64_t buf;
+	pthread_t t;
+
+	if (posix_memalign((void **)&src, 4096, n)) {
+		CHECK(0, "memory");
+		return;
+	}
+	fill_random(src, n);
+	w.src = src;
+	phx_engine_create(NULL, &host);
+	phx_file_open(host, path_of("bigw.bin"), O_RDWR, 0, 0, &w.f);
+	phx_file_open(eng, path_of("bigw.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, size);
+	pthread_create(&t, NULL, big_writer, &w);
+	usleep(2000);				/* the write is under way */
+	/* the stream is held until the write is done (a host word it waits for) */
+	WaitValue32(s, (uint64_t)(uintptr_t)&gate, 1, 0);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "queue");
+	pthread_join(t, NULL);
+	__atomic_store_n(&gate, 1, __ATOMIC_RELEASE);
+	CHECK(w.res == (int64_t)n, "the writer: %" PRId64, w.res);
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)size, "read: %" PRId64, done);
+	CHECK(!memcmp(dev(buf), src + foff, size),
+	      "an early read returned bytes from before a write that finished before its stream arrived");
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(st.early_reads == 0, "an early read stood while a write of its range was in flight");
+	/*
+	 * The other order: the read's early pieces are read first, then the
+	 * other handle rewrites the range (and is done) before the stream
+	 * arrives: the write log voids them.
+	 */
+	fill_random(src + foff, size);
+	SleepAsync(s, 150000);
+	done = -1;
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0, "queue 2");
+	usleep(50000);				/* its early pieces are read by now */
+	CHECK(phx_pwrite(w.f, src + align_down(foff, 4096), align_up(size + foff % 4096, 4096),
+			 align_down(foff, 4096)) > 0, "rewrite");
+	StreamSynchronize(s);
+	CHECK(done == (int64_t)size && !memcmp(dev(buf), src + foff, size),
+	      "an early read served bytes another handle rewrote before its stream arrived");
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(st.early_misses >= 1, "the rewrite did not void the early pieces");
+	printf("early vs writer (%zu MiB): early_reads %" PRIu64 " misses %" PRIu64 " refused %" PRIu64 "\n",
+	       n >> 20, st.early_reads, st.early_misses, st.early_refused);
+	phx_file_close(f);
+	phx_file_close(w.f);
+	phx_engine_destroy(host);
+	phx_cuda_destroy(c);
+	MemFree(buf);
+	free(old);
+	free(src);
+}
+
+/*
+ * Errors never become data (needs a small filesystem: PHX_TEST_SMALLFS, an
+ * 8 MiB tmpfs the test runner mounts): a stream write that fails with
+ * ENOSPC leaves its range bad; reads of any part of it fail with -EIO and
+ * write nothing; the rest of the file reads fine; once the range is written
+ * again successfully it reads back right.
+ */
+static void test_failed_write_is_never_data(phx_cuda *c, phx_engine *eng, void *s)
+{
+	const char *small = getenv("PHX_TEST_SMALLFS");
+	char path[512], filler[512];
+	size_t n = 2 * MiB, rsize = 100000, wsize = n, k;
+	int64_t zero = 0, woff = 4 * MiB, wdone = 0, roff = 4 * MiB + 4096, rdone = 0;
+	struct phx_cuda_stats st0, st;
+	unsigned char chunk[65536] = { 0 };
+	uint64_t src, dst;
+	phx_file *f;
+	bool clean = true;
+	int fd;
+
+	if (!small) {
+		printf("skip failed_write_is_never_data: no PHX_TEST_SMALLFS\n");
+		return;
+	}
+	snprintf(path, sizeof(path), "%s/slab.bin", small);
+	snprintf(filler, sizeof(filler), "%s/filler", small);
+	CHECK(phx_file_open(eng, path, O_RDWR | O_CREAT | O_TRUNC, 0644, 0, &f) == 0, "open %s", path);
+	MemAlloc(&src, n);
+	MemAlloc(&dst, n);
+	fill_random(dev(src), n);
+	CHECK(phx_cuda_pwrite(c, f, src, MiB, 0) == (int64_t)MiB, "the first MiB");
+	fd = open(filler, O_CREAT | O_TRUNC | O_WRONLY, 0644);
+	while (write(fd, chunk, sizeof(chunk)) > 0)
+		;
+	close(fd);
+	phx_cuda_stats_get(c, &st0, sizeof(st0));
+	CHECK(phx_cuda_write_async(c, f, src, &wsize, &woff, &zero, &wdone, s) == 0, "write");
+	StreamSynchronize(s);
+	CHECK(wdone == -ENOSPC, "write on a full filesystem: %" PRId64, wdone);
+	CHECK(phx_file_check_range(f, 4 * MiB + 10, 1) == -EIO, "the failed range is not bad");
+	memset(dev(dst), 0x5A, n);
+	CHECK(phx_cuda_read_async(c, f, dst, &rsize, &roff, &zero, &rdone, s) == 0, "read");
+	StreamSynchronize(s);
+	CHECK(rdone == -EIO, "stream read of a failed write's range: %" PRId64, rdone);
+	CHECK(phx_cuda_pread(c, f, dst, 4096, 5 * MiB) == -EIO, "host read of the failed range");
+	for (k = 0; k < n && clean; k++)
+		clean = dev(dst)[k] == 0x5A;
+	CHECK(clean, "a refused read wrote the destination (byte %zu)", k);
+	CHECK(phx_cuda_pread(c, f, dst, MiB, 0) == (int64_t)MiB && !memcmp(dev(dst), dev(src), MiB),
+	      "the good range reads fine");
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(st.bad_marks > st0.bad_marks && st.bad_refusals >= st0.bad_refusals + 2,
+	      "counters: marks %" PRIu64 " refusals %" PRIu64, st.bad_marks - st0.bad_marks,
+	      st.bad_refusals - st0.bad_refusals);
+	unlink(filler);
+	CHECK(phx_cuda_write_async(c, f, src, &wsize, &woff, &zero, &wdone, s) == 0, "rewrite");
+	StreamSynchronize(s);
+	CHECK(wdone == (int64_t)n, "rewrite with space: %" PRId64, wdone);
+	CHECK(phx_cuda_read_async(c, f, dst, &rsize, &roff, &zero, &rdone, s) == 0, "read again");
+	StreamSynchronize(s);
+	CHECK(rdone == (int64_t)rsize && !memcmp(dev(dst), dev(src + 4096), rsize),
+	      "after a good rewrite: %" PRId64, rdone);
+	phx_file_close(f);
+	unlink(path);
+	MemFree(src);
+	MemFree(dst);
+}
+
+/*
+ * A kernel that faults before stream ops on the same stream (run alone:
+ * it kills the fake's context for the rest of the process): the ops end
+ * with an error, host calls fail, and destroy returns.
+ */
+static int test_broken_stream(phx_engine *eng)
+{
+	phx_cuda *c = ctx(eng, 2, 2, 64 * KiB, 0);
+	unsigned char *data = make_file("broken.bin", MiB);
+	size_t size = 100000;
+	int64_t foff = 0, boff = 0, done[4] = { 1, 1, 1, 1 };
+	static uint32_t gate;
+	struct phx_cuda_stats st;
+	uint64_t buf;
+	phx_file *f;
+	void *s;
+	int i;
+
+	StreamCreate(&s, 1);
+	phx_file_open(eng, path_of("broken.bin"), O_RDONLY, 0, 0, &f);
+	MemAlloc(&buf, size);
+	/* queued before the kernel runs (and faults), as on a GPU */
+	WaitValue32(s, (uint64_t)(uintptr_t)&gate, 1, 0);
+	FaultAsync(s);
+	for (i = 0; i < 4; i++)
+		CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done[i], s) == 0,
+		      "queue %d", i);
+	__atomic_store_n(&gate, 1, __ATOMIC_RELEASE);
+	usleep(10000);
+	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done[0], s) < 0,
+	      "an op queued after the fault was accepted");
+	phx_cuda_stats_get(c, &st, sizeof(st));
+	CHECK(phx_cuda_destroy(c) == 0, "destroy after a fault");
+	for (i = 0; i < 4; i++)
+		CHECK(done[i] == -EIO, "op %d after the fault: bytes_done %" PRId64, i, done[i]);
+	CHECK(phx_file_close(f) == 0, "close after destroy");
+	free(data);
+	return failures;
+}
+
 int main(int argc, char **argv)
 {
 	phx_engine *eng;
@@ -1065,6 +1664,12 @@ int main(int argc, char **argv)
 	*(void **)&PrimaryCtxRelease = dlsym(h, "cuDevicePrimaryCtxRelease_v2");
 	*(void **)&CtxSetCurrent = dlsym(h, "cuCtxSetCurrent");
 	*(void **)&CtxRetained = dlsym(h, "fake_ctx_retained");
+	*(void **)&AllocSegments = dlsym(h, "fake_alloc_segments");
+	*(void **)&StreamCapture = dlsym(h, "fake_stream_capture");
+	*(void **)&FaultAsync = dlsym(h, "fake_fault_async");
+	*(void **)&FailLaunch = dlsym(h, "fake_fail_launch");
+	*(void **)&FailWriteValue = dlsym(h, "fake_fail_write_value");
+	*(void **)&WaitValue32 = dlsym(h, "cuStreamWaitValue32_v2");
 
 	CHECK(phx_cuda_available(why, sizeof(why)) == 1, "available: %s", why);
 	CHECK(phx_engine_create(NULL, &eng) == 0, "engine");
@@ -1072,6 +1677,10 @@ int main(int argc, char **argv)
 	ndev = getenv("FAKE_CUDA_DEVICES") ? atoi(getenv("FAKE_CUDA_DEVICES")) : 1;
 	if (ndev > 1) {
 		test_devices(eng, ndev < MAX_DEVS ? ndev : MAX_DEVS);
+		goto out;
+	}
+	if (getenv("PHX_FAKE_TEST") && !strcmp(getenv("PHX_FAKE_TEST"), "broken")) {
+		test_broken_stream(eng);	/* alone: the fake's context dies */
 		goto out;
 	}
 	test_staging_node(eng);
@@ -1091,7 +1700,21 @@ int main(int argc, char **argv)
 	test_threads(c, eng);
 	test_stream_churn(c, eng, s1);
 	test_stream_ops_survive_device_sync(c, eng, s1);
+	test_host_and_stream_survive_device_sync(c, eng, s2);
+	test_no_context_thread(c, eng);
+	test_short_read_exact(c, eng, s1);
+	test_backpressure(c, eng, s2);
+	test_segments(c, eng, s1);
+	test_capture_refused(c, eng);
+	test_engine_destroy_busy(c);
+	test_failed_write_is_never_data(c, eng, s2);
 	CHECK(phx_cuda_destroy(c) == 0, "destroy");
+	test_many_rounds(eng, s1);
+	test_mixed_no_deadlock(eng, s2);
+	test_partly_queued(eng, s1);
+	test_old_drivers(eng);
+	test_early_vs_writer(eng, s1, getenv("PHX_TEST_BIG_WRITE") ?
+			     (size_t)atoll(getenv("PHX_TEST_BIG_WRITE")) : 64 * MiB);
 	test_destroy_with_queued(eng);
 	test_no_memops(eng);
 	test_lane_setup_failure(eng);

@@ -158,17 +158,29 @@ static struct alloc *find_alloc(uint64_t p)
 	return NULL;
 }
 
-/* Is [p, p + n) inside one allocation?  Its device, or -1. */
+/*
+ * Is [p, p + n) mapped: one allocation, or allocations of one device that
+ * follow each other (VMM segments: copies and kernels cross them, as on a
+ * GPU)?  Its device, or -1.
+ */
 static int dev_range(uint64_t p, size_t n)
 {
 	struct alloc *a;
-	int dev;
+	int dev = -1;
 
 	pthread_mutex_lock(&mem_lock);
 	a = find_alloc(p);
-	dev = a && p + n <= a->base + a->size ? a->dev : -1;
+	if (a)
+		dev = a->dev;
+	while (a && p + n > a->base + a->size) {
+		struct alloc *next = find_alloc(a->base + a->size);
+
+		if (!next || next->dev != a->dev || next->base != a->base + a->size)
+			dev = -1;
+		a = dev < 0 ? NULL : next;
+	}
 	pthread_mutex_unlock(&mem_lock);
-	return dev;
+	return a ? dev : -1;
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
