@@ -15,27 +15,40 @@ bounced).  Tensors are views of a few large allocations (one per merged
 range of at most ``group_bytes``), so tensors next to each other in the file
 share a storage.
 
-Tensor parallelism: ``shard=`` (a callable ``(name, shape) -> Slice | None``,
-e.g. :func:`tp_sharder`) reads only rank ``r``'s part of a tensor along a
-dimension; a column slice reads one piece per row.
+Tensor parallelism: ``shard=`` (a callable ``(name, shape) -> Slice |
+Partial | None``, e.g. :func:`tp_sharder`) reads only rank ``r``'s part of a
+tensor along a dimension (a column slice reads one piece per row), or, with
+:class:`Partial`, only some boxes of a tensor that keeps its full shape.
+
+One checkpoint or none: the data must come from the files the headers were
+read from, unchanged (else :class:`CheckpointError` naming the file).  Warm
+files (mostly in the page cache) are read buffered, the others O_DIRECT
+(``cached=``).  The iterator's ``.stats`` (:class:`LoadStats`) says what was
+read, how, and the most memory the loader held.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from phx.loader.checkpoint import Checkpoint, open_checkpoint
-from phx.loader.format import DTYPES, CheckpointError, TensorInfo
-from phx.loader.plan import Job, Sharder, Slice, plan, slice_shape, tp_sharder
-from phx.loader.stream import Backend, GPUBackend, HostBackend, backend_for, cuda_index, run
+from phx.loader.format import DTYPES, CheckpointError, FileIdentity, TensorInfo
+from phx.loader.plan import Job, Partial, Sharder, Slice, plan, slice_shape, tp_sharder
+from phx.loader.stream import (WARM_FRACTION, Backend, GPUBackend, HostBackend, LoadStats,
+                               TensorStream, backend_for, cuda_index, run)
 
 __all__ = [
-    "Backend", "Checkpoint", "CheckpointError", "DTYPES", "GPUBackend", "HostBackend",
-    "Job", "Sharder", "Slice", "TensorInfo", "iter_tensors", "load_file",
-    "open_checkpoint", "plan", "prepare", "slice_shape", "tp_sharder",
+    "Backend", "Checkpoint", "CheckpointError", "DTYPES", "FileIdentity", "GPUBackend",
+    "HostBackend", "Job", "LoadStats", "Partial", "Sharder", "Slice", "TensorInfo",
+    "TensorStream", "WARM_FRACTION", "iter_tensors", "load_file", "open_checkpoint", "plan",
+    "prepare", "slice_shape", "tp_sharder",
 ]
+
+#: what ``iter_tensors`` and ``load_file`` take: a file, an index, a folder,
+#: a list of files, or a :class:`Checkpoint` already opened
+Source = "str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint"
 
 GROUP_BYTES = 256 << 20
 INFLIGHT_BYTES = 1 << 30
@@ -74,27 +87,33 @@ def prepare(device: Any = "cuda") -> concurrent.futures.Future | None:
     return fut
 
 
-def iter_tensors(path: str | os.PathLike, device: Any = "cpu", *,
+def iter_tensors(path: Source, device: Any = "cpu", *,
                  shard: Sharder | None = None, names: Iterable[str] | None = None,
                  progress: bool = False, group_bytes: int = GROUP_BYTES,
-                 inflight_bytes: int = INFLIGHT_BYTES) -> Iterator[tuple[str, Any]]:
+                 inflight_bytes: int = INFLIGHT_BYTES, cached: str = "auto") -> TensorStream:
     """Yield ``(name, tensor)`` for every tensor (or ``names``) in file order,
     each on ``device`` once its bytes have arrived.  At most about
-    ``inflight_bytes`` are being read ahead; memory the caller drops is
-    freed once every tensor of its allocation (``group_bytes``) is dropped.
-    Headers are all validated before the first tensor is yielded."""
-    ck = open_checkpoint(path)
+    ``inflight_bytes`` are being read ahead (the loader's own memory on
+    ``device`` is at most about ``inflight_bytes`` plus one job of
+    ``group_bytes`` or one tensor: ``.stats.peak_held_bytes``); memory the
+    caller drops is freed once every tensor of its allocation is dropped.
+    Headers are all validated before the first tensor is yielded.
+    ``cached``: "auto" reads files that are mostly in the page cache buffered
+    (:data:`WARM_FRACTION`), "always" / "never" force it."""
+    ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     jobs = _jobs(ck, names, shard, group_bytes)
-    return run(jobs, backend_for(device), inflight_bytes=inflight_bytes, progress=progress)
+    return run(jobs, backend_for(device), inflight_bytes=inflight_bytes, progress=progress,
+               identities={h.path: h.identity for h in ck.files}, cached=cached)
 
 
-def load_file(path: str | os.PathLike, device: Any = "cpu", *,
+def load_file(path: Source, device: Any = "cpu", *,
               shard: Sharder | None = None, names: Iterable[str] | None = None,
               progress: bool = False, group_bytes: int = GROUP_BYTES,
-              inflight_bytes: int = 4 * INFLIGHT_BYTES) -> dict[str, Any]:
+              inflight_bytes: int = 4 * INFLIGHT_BYTES, cached: str = "auto") -> dict[str, Any]:
     """Every tensor (or ``names``) of the checkpoint at ``path`` as a dict of
     torch tensors on ``device`` (like ``safetensors.torch.load_file``, plus
     sharded checkpoints and ``shard=``).  Raises :class:`CheckpointError` (or
     ``OSError``) and returns nothing when any byte cannot be read."""
     return dict(iter_tensors(path, device, shard=shard, names=names, progress=progress,
-                             group_bytes=group_bytes, inflight_bytes=inflight_bytes))
+                             group_bytes=group_bytes, inflight_bytes=inflight_bytes,
+                             cached=cached))

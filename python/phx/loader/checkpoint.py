@@ -1,17 +1,22 @@
-"""A checkpoint: one safetensors file, or the shards an ``*.index.json`` names.
+"""A checkpoint: one safetensors file, the shards an ``*.index.json`` names,
+or a list of files.
 
 :func:`open_checkpoint` reads and validates every header (and the index's
 agreement with them) before anything is read, so a corrupt shard is found
-before the first tensor is handed out.
+before the first tensor is handed out.  Each header remembers the file it
+was read from (:class:`~phx.loader.format.FileIdentity`), so that the data
+are read from that file or not at all.  An index may only name files inside
+its own folder.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from phx.loader.format import CheckpointError, Header, TensorInfo, read_header
+from phx.loader.format import CheckpointError, FileIdentity, Header, TensorInfo, read_header
 
 
 @dataclass
@@ -25,6 +30,25 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def identity(self, path: str) -> FileIdentity | None:
+        """The identity of the file ``path``'s header was read from."""
+        for h in self.files:
+            if h.path == path:
+                return h.identity
+        return None
+
+
+def _inside(index: str, name: str) -> str:
+    """The path of shard ``name`` of ``index``, refusing names that leave the
+    index's folder.  Checked on the name, not the resolved path: a Hugging
+    Face cache folder holds symbolic links into ../../blobs, which are fine;
+    an absolute name or a ``..`` component is not."""
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts or not name:
+        raise CheckpointError(index, f"the index names {name!r}, which is outside the "
+                              "model folder: refused")
+    return os.path.join(os.path.dirname(os.path.abspath(index)), name)
 
 
 def _resolve(path: str) -> tuple[list[str], str | None]:
@@ -50,10 +74,9 @@ def _resolve(path: str) -> tuple[list[str], str | None]:
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(path, "index has no weight_map of tensor -> file")
-        base = os.path.dirname(os.path.abspath(path))
         files = []
         for name in dict.fromkeys(wm.values()):
-            p = os.path.join(base, name)
+            p = _inside(path, name)
             if not os.path.exists(p):
                 raise CheckpointError(path, f"shard {name!r} does not exist",
                                       next(k for k, v in wm.items() if v == name))
@@ -64,9 +87,18 @@ def _resolve(path: str) -> tuple[list[str], str | None]:
     return [path], None
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Validate the checkpoint at ``path`` (file, ``*.index.json`` or directory)."""
-    files, index = _resolve(os.fspath(path))
+def open_checkpoint(path: "str | os.PathLike | Sequence[str | os.PathLike]") -> Checkpoint:
+    """Validate the checkpoint at ``path``: a file, an ``*.index.json``, a
+    directory, or a list of safetensors files (taken as they are: no index)."""
+    if isinstance(path, (list, tuple)):
+        files, index = [os.fspath(p) for p in path], None
+        if not files:
+            raise CheckpointError("(no files)", "an empty list of checkpoint files")
+        for p in files:
+            if not os.path.exists(p):
+                raise FileNotFoundError(2, "No such file or directory", p)
+    else:
+        files, index = _resolve(os.fspath(path))
     headers = [read_header(p) for p in files]
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
@@ -79,10 +111,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         with open(index) as f:
             doc = json.load(f)
         meta = doc.get("metadata") or {}
-        base = os.path.dirname(os.path.abspath(index))
         for name, fname in doc["weight_map"].items():
             t = tensors.get(name)
-            want = os.path.join(base, fname)
+            want = _inside(index, fname)
             if t is None:
                 raise CheckpointError(want, f"the index {os.path.basename(index)} names it, "
                                       "but the shard has no such tensor", name)

@@ -66,14 +66,58 @@ class TensorInfo:
         return DTYPES[self.dtype][0]
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file a header was read from, and its state then: a file whose
+    device, inode, size, mtime or ctime differ later is not the file the
+    header describes (replaced by a rename, or written in place)."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def differences(self, st: os.stat_result) -> list[str]:
+        """What changed in ``st`` (a later fstat) against this identity; empty if nothing."""
+        now = FileIdentity.of(st)
+        if (now.dev, now.ino) != (self.dev, self.ino):
+            return [f"another file (inode {self.dev}:{self.ino} -> {now.dev}:{now.ino}: "
+                    "replaced, e.g. by a rename)"]
+        out = []
+        if now.size != self.size:
+            out.append(f"size {self.size} -> {now.size}")
+        if now.mtime_ns != self.mtime_ns:
+            out.append("mtime changed (written)")
+        elif now.ctime_ns != self.ctime_ns:
+            out.append("ctime changed")
+        return out
+
+
+def check_identity(path: str, want: "FileIdentity | None", fd: int, when: str) -> None:
+    """Raise :class:`CheckpointError` naming ``path`` when the file open as
+    ``fd`` is not (or no longer) the one ``want`` describes."""
+    if want is None:
+        return
+    diff = want.differences(os.fstat(fd))
+    if diff:
+        raise CheckpointError(path, f"the file changed since its header was read ({when}): "
+                              + ", ".join(diff))
+
+
 @dataclass
 class Header:
-    """A validated safetensors header: tensors in file order."""
+    """A validated safetensors header: tensors in file order.  ``identity``:
+    the file it was read from (checked again when the data are read)."""
     path: str
     size: int               # file size when it was opened
     data_start: int         # 8 + header length
     tensors: list[TensorInfo]
     metadata: dict[str, str] = field(default_factory=dict)
+    identity: FileIdentity | None = None
 
 
 def _read_exact(fd: int, n: int, off: int) -> bytes:
@@ -91,7 +135,8 @@ def read_header(path: str | os.PathLike) -> Header:
     path = os.fspath(path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        ident = FileIdentity.of(os.fstat(fd))
+        size = ident.size
         if size < 8:
             raise CheckpointError(path, f"truncated: {size} bytes, no 8-byte header length")
         n = int.from_bytes(_read_exact(fd, 8, 0), "little")
@@ -102,9 +147,14 @@ def read_header(path: str | os.PathLike) -> Header:
             raise CheckpointError(path, f"truncated: header length {n} runs past the "
                                   f"end of the {size}-byte file")
         raw = _read_exact(fd, n, 8)
+        # the same handle, after the read: a file written while its header
+        # was read is not trusted either
+        check_identity(path, ident, fd, "while reading the header")
     finally:
         os.close(fd)
-    return parse_header(path, raw, size)
+    h = parse_header(path, raw, size)
+    h.identity = ident
+    return h
 
 
 def parse_header(path: str, raw: bytes, size: int) -> Header:

@@ -22,18 +22,73 @@ have arrived; a short read (a file truncated since it was opened) raises
 :class:`~phx.loader.format.CheckpointError` naming the tensor, an I/O error
 raises ``OSError`` naming it.  Whatever happens, every read in flight is
 waited for before the files close.
+
+One checkpoint or none: each file is checked against the identity its
+header was read with (device, inode, size, mtime, ctime) when it is opened
+for the data and again after each read of it completes, before that read's
+tensors are handed out; a difference raises
+:class:`~phx.loader.format.CheckpointError` naming the file.  (A file
+replaced by a rename *after* it was opened is still read from the open
+inode, which is the file the header described.)
+
+Warm files: a file most of which (:data:`WARM_FRACTION`) is in the page
+cache when it is opened is read through the page cache (buffered) instead
+of O_DIRECT, which would read it from the device again
+(:mod:`phx.loader.cache`).  ``cached="never"`` / ``"always"`` force it.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
-from phx.loader.format import CheckpointError
+from phx.loader.cache import resident_fraction
+from phx.loader.format import CheckpointError, FileIdentity, check_identity
 from phx.loader.plan import Job, Output
+
+#: a file at least this much in the page cache is read buffered ("auto")
+WARM_FRACTION = 0.8
+CACHED = ("auto", "always", "never")
+
+
+@dataclass
+class LoadStats:
+    """What a load read and held.  ``bytes_read``: payload bytes asked of the
+    files (sliced tensors count only their slices); ``buffered_files``: files
+    read through the page cache (warm, or O_DIRECT refused), the others went
+    O_DIRECT; ``peak_held_bytes``: the most target memory (on the load's
+    device) allocated by the loader and not yet handed out at any time - its
+    extra memory beyond what the consumer keeps."""
+    tensors: int = 0
+    bytes_read: int = 0
+    files: list[str] = field(default_factory=list)
+    buffered_files: list[str] = field(default_factory=list)
+    resident: dict[str, float] = field(default_factory=dict)
+    held_bytes: int = 0
+    peak_held_bytes: int = 0
+
+
+class TensorStream(Iterator[tuple[str, Any]]):
+    """The ``(name, tensor)`` iterator of a load, with its :class:`LoadStats`."""
+
+    def __init__(self, gen: Iterator[tuple[str, Any]], stats: LoadStats):
+        self._gen = gen
+        self.stats = stats
+
+    def __iter__(self) -> "TensorStream":
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        """Stop early: reads in flight are waited for, the files closed."""
+        self._gen.close()
 
 
 class Backend:
@@ -188,11 +243,49 @@ def _check(job: Job, pieces: np.ndarray, got: np.ndarray) -> None:
                           f"{fo} (the file ends at {end}: truncated while loading?)", name)
 
 
-def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
-        progress: bool = False, open_file=None) -> Iterator[tuple[str, Any]]:
-    """Read ``jobs`` and yield ``(name, tensor)`` in file order."""
+def _open_checked(path: str, ident: FileIdentity | None, cached: str, stats: LoadStats):
+    """Open ``path`` for the data: O_DIRECT, or buffered when it is warm (or
+    O_DIRECT is refused); the handle is checked to be the header's file."""
     import phx
-    jobs = list(jobs)
+    f = phx.open(path, "r", allow_buffered=True)
+    try:
+        check_identity(path, ident, f.fileno(), "at open")
+        warm = cached == "always"
+        if cached == "auto" and f.direct:
+            frac = resident_fraction(f.fileno())
+            stats.resident[path] = frac
+            warm = frac >= WARM_FRACTION
+        if warm and f.direct:
+            g = phx.open(path, "r", direct=False)
+            f.close()
+            f = g
+            check_identity(path, ident, f.fileno(), "at open")
+    except BaseException:
+        f.close()
+        raise
+    stats.files.append(path)
+    if not f.direct:
+        stats.buffered_files.append(path)
+    return f
+
+
+def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
+        progress: bool = False, open_file: Callable[[str], Any] | None = None,
+        identities: dict[str, FileIdentity | None] | None = None,
+        cached: str = "auto") -> TensorStream:
+    """Read ``jobs`` and yield ``(name, tensor)`` in file order.
+    ``identities``: each file's :class:`FileIdentity` from its header (the
+    data must come from that file); ``cached``: "auto" (page cache when the
+    file is warm), "always" or "never" (O_DIRECT where the filesystem allows)."""
+    if cached not in CACHED:
+        raise ValueError(f"cached must be one of {CACHED}, not {cached!r}")
+    stats = LoadStats()
+    return TensorStream(_run(list(jobs), backend, inflight_bytes, progress, open_file,
+                             identities or {}, cached, stats), stats)
+
+
+def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
+         open_file, identities: dict, cached: str, stats: LoadStats) -> Iterator[tuple[str, Any]]:
     files: dict[str, Any] = {}
     pending: deque = deque()
     bar = None
@@ -200,7 +293,7 @@ def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
         from tqdm import tqdm
         bar = tqdm(total=sum(j.read_bytes for j in jobs), unit="B", unit_scale=True,
                    unit_divisor=1024, desc="phx load", dynamic_ncols=True)
-    opener = open_file or (lambda p: phx.open(p, "r", allow_buffered=True))
+    opener = open_file or (lambda p: _open_checked(p, identities.get(p), cached, stats))
     it = iter(jobs)
     flight = 0
     try:
@@ -213,6 +306,9 @@ def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
                 if f is None:
                     f = files[job.path] = opener(job.path)
                 buf, addr = backend.alloc(job.nbytes)
+                stats.held_bytes += job.nbytes
+                stats.peak_held_bytes = max(stats.peak_held_bytes, stats.held_bytes)
+                stats.bytes_read += job.read_bytes
                 pad = (job.align_offset - addr) % backend.alignment
                 pieces = np.array([(fo, bo + pad, sz) for fo, bo, sz in job.pieces],
                                   dtype=np.int64).reshape(-1, 3)
@@ -230,8 +326,15 @@ def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
                     raise OSError(e.errno, f"{e.strerror} (reading tensor "
                                   f"{job.outputs[0].name!r}...)", job.path) from e
                 _check(job, pieces, got)
+                # every byte of this job came from the header's file, unchanged
+                # until now; else nothing of it is handed out
+                ident = identities.get(job.path)
+                if ident is not None:
+                    check_identity(job.path, ident, files[job.path].fileno(), "after reading it")
             outs = [(o.name, backend.view(buf, addr, pad + o.offset, o)) for o in job.outputs]
             del buf
+            stats.held_bytes -= job.nbytes
+            stats.tensors += len(outs)
             if bar is not None:
                 bar.update(job.read_bytes)
             yield from outs
