@@ -26,6 +26,7 @@ import phx_fastsafetensors  # noqa: E402
 from fastsafetensors.frameworks import get_framework_op  # noqa: E402
 from fastsafetensors.loader import BaseSafeTensorsFileLoader  # noqa: E402
 
+from phx.loader import CheckpointError  # noqa: E402
 from test_loader import raw, random_state, rand_tensor  # noqa: E402
 
 MiB = 1 << 20
@@ -74,18 +75,100 @@ def loader_header_end(path: str) -> int:
     return open_checkpoint(path).files[0].data_start
 
 
+def _loader_for(path):
+    fw = get_framework_op("pytorch")
+    ld = BaseSafeTensorsFileLoader(None, fw.get_device("cpu", fw.get_process_group(None)), "phx")
+    ld.add_filenames({0: [path]})            # fastsafetensors reads the header here
+    return ld
+
+
+def _two(rng, path):
+    sd = {"a": rand_tensor(rng, (2 * MiB,), torch.int8), "b": rand_tensor(rng, (1 * MiB,), torch.int8)}
+    st.save_file(sd, path)
+    return sd
+
+
 def test_phx_copier_truncated_file_fails(data_dir, rng):
     phx_fastsafetensors.register()
     path = os.path.join(data_dir, "m.safetensors")
-    st.save_file({"a": rand_tensor(rng, (2 * MiB,), torch.int8),
-                  "b": rand_tensor(rng, (1 * MiB,), torch.int8)}, path)
-    fw = get_framework_op("pytorch")
-    ld = BaseSafeTensorsFileLoader(None, fw.get_device("cpu", fw.get_process_group(None)), "phx")
-    ld.add_filenames({0: [path]})
+    _two(rng, path)
+    ld = _loader_for(path)
     os.truncate(path, os.path.getsize(path) - 4096)
-    with pytest.raises(OSError, match="short read"):
+    with pytest.raises(CheckpointError, match="changed since its header was read") as e:
         ld.copy_files_to_device()
+    assert e.value.path == path and "size" in str(e.value)
     ld.close()
+
+
+def test_phx_copier_file_replaced_by_rename_fails(data_dir, rng):
+    """The header fastsafetensors read is of the old file; a new file of the
+    same layout renamed over it must not be copied under that header."""
+    phx_fastsafetensors.register()
+    path = os.path.join(data_dir, "m.safetensors")
+    _two(rng, path)
+    ld = _loader_for(path)
+    _two(rng, path + ".new")
+    os.rename(path + ".new", path)
+    with pytest.raises(CheckpointError, match="another file") as e:
+        ld.copy_files_to_device()
+    assert e.value.path == path
+    ld.close()
+
+
+def test_phx_copier_file_written_in_place_fails(data_dir, rng):
+    phx_fastsafetensors.register()
+    path = os.path.join(data_dir, "m.safetensors")
+    _two(rng, path)
+    ld = _loader_for(path)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x11" * 4096, 1 << 20)
+    finally:
+        os.close(fd)
+    with pytest.raises(CheckpointError, match="mtime changed") as e:
+        ld.copy_files_to_device()
+    assert e.value.path == path
+    ld.close()
+
+
+def test_phx_copier_file_written_during_the_read_fails(data_dir, rng):
+    """Written between submit_io and wait_io (the reads may already have
+    taken the new bytes): wait_io's check after the reads refuses them."""
+    phx_fastsafetensors.register()
+    from fastsafetensors.common import SafeTensorsMetadata
+    from phx_fastsafetensors.copier import PhxCopier
+    path = os.path.join(data_dir, "m.safetensors")
+    _two(rng, path)
+    fw = get_framework_op("pytorch")
+    dev = fw.get_device("cpu", fw.get_process_group(None))
+    md = SafeTensorsMetadata.from_file(path, fw)
+    cp = PhxCopier(md, dev, fw)
+    gbuf = cp.submit_io(False, 16 * MiB)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x22" * 4096, 2 << 20)
+    finally:
+        os.close(fd)
+    try:
+        with pytest.raises(CheckpointError, match="after reading it") as e:
+            cp.wait_io(gbuf)
+        assert e.value.path == path
+    finally:
+        fw.free_tensor_memory(gbuf, dev)
+
+
+def test_phx_copier_unchanged_file_still_loads_after_the_checks(data_dir, rng):
+    phx_fastsafetensors.register()
+    path = os.path.join(data_dir, "m.safetensors")
+    sd = _two(rng, path)
+    ld = _loader_for(path)
+    fb = ld.copy_files_to_device()
+    try:
+        for k in sd:
+            assert raw(fb.get_tensor(k)) == raw(sd[k])
+    finally:
+        fb.close()
+        ld.close()
 
 
 REPLACED = textwrap.dedent(r"""
@@ -144,3 +227,21 @@ def test_replace_routes_fastsafetensors_nogds_through_phx(data_dir, tmp_path, rn
         for k in names:
             assert res[form][k] == raw(sd[k]), (form, k)
         assert res[f"{form}_bytes"] >= total - 2 * 8192, (form, res[f"{form}_bytes"], total)
+
+
+def test_without_fastsafetensors_import_works_register_says_why():
+    """Importing the adapter never needs fastsafetensors; using it without
+    says what is missing (fastsafetensors hidden from a fresh interpreter)."""
+    code = textwrap.dedent(r"""
+        import sys
+        sys.modules["fastsafetensors"] = None        # as if not installed
+        import phx_fastsafetensors
+        try:
+            phx_fastsafetensors.register()
+        except ImportError as e:
+            print("ERR", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ERR phx_fastsafetensors: fastsafetensors is not installed" in r.stdout, r.stdout
+    assert "pip install" in r.stdout

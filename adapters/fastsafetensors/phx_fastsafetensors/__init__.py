@@ -20,8 +20,15 @@ _done: set[str] = set()
 
 def register(*names: str) -> None:
     """Register phx's copier factory under ``names`` (default ``"phx"``);
-    idempotent."""
-    from phx_fastsafetensors.copier import factory_for
+    idempotent.  Raises ImportError saying so when fastsafetensors (0.5) is
+    not installed: importing this package never needs it."""
+    try:
+        import fastsafetensors  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"phx_fastsafetensors: fastsafetensors is not installed ({e}); "
+                          "pip install 'fastsafetensors>=0.5' to use phx's copier") from e
+    from phx_fastsafetensors.copier import factory_for, note_identities
+    note_identities()
     for name in names or ("phx",):
         if name not in _done:
             factory_for(name)

@@ -6,21 +6,34 @@ waits, checks every byte arrived and returns the tensors (views of the
 buffer, made by fastsafetensors' metadata).  Byte ranges and sub-file chunks
 (``set_byte_ranges`` / ``set_chunk``, used by its planner under
 ``max_batch_bytes``) read only the runs asked for.
+
+One file or none: fastsafetensors reads a header through a descriptor of
+its own and closes it.  :func:`note_identities` wraps its
+``SafeTensorsMetadata.from_fd`` so that each metadata object carries the
+identity (device, inode, size, mtime, ctime) of the file its header came
+from; the copier checks its own handle against it when it opens the file
+and again after the reads, and raises :class:`phx.loader.CheckpointError`
+naming the file on a difference (a shard replaced by a rename, or written).
+Metadata made without a descriptor (``from_buffer``) or before the wrap only
+has its size to compare.  A file mostly in the page cache is read buffered
+(:func:`phx.loader.open_for_data`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import os
 from typing import Any
 
 import numpy as np
 from fastsafetensors.copier.base import (CopierInterface, validated_byte_ranges,
                                          validated_chunk_allocation_size)
+from fastsafetensors.common import SafeTensorsMetadata
 from fastsafetensors.copier.registry import register_copier_constructor
 from fastsafetensors.st_types import DeviceType, DType
 
-import phx
 import phx.gpu
+from phx.loader import CheckpointError, FileIdentity, check_identity, open_for_data
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -30,6 +43,35 @@ def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="phx-fst")
     return _pool
+
+
+_IDENT = "_phx_identity"      # the attribute noted on fastsafetensors' metadata
+
+
+def note_identities() -> None:
+    """Make fastsafetensors' ``SafeTensorsMetadata.from_fd`` note the
+    identity of the file each header is read from (idempotent)."""
+    inner = SafeTensorsMetadata.__dict__["from_fd"]
+    if getattr(inner, "_phx", False):
+        return
+    func = inner.__func__
+
+    def from_fd(cls, fd, filename, *args, **kwargs):
+        before = FileIdentity.of(os.fstat(fd))
+        md = func(cls, fd, filename, *args, **kwargs)
+        # a file that changed while its header was read is refused now
+        check_identity(filename, before, fd, "while fastsafetensors read its header")
+        setattr(md, _IDENT, before)
+        return md
+    from_fd.__doc__ = func.__doc__
+    wrapped = classmethod(from_fd)
+    wrapped.__func__._phx = True
+    SafeTensorsMetadata.from_fd = wrapped
+
+
+def identity_of(metadata) -> FileIdentity | None:
+    """The identity noted for ``metadata``'s file, if any."""
+    return getattr(metadata, _IDENT, None)
 
 
 class _DeviceMemory:
@@ -88,7 +130,16 @@ class PhxCopier(CopierInterface):
         gbuf = self.framework.alloc_tensor_memory(length, self.device)
         pieces = np.array([(s, s - self._base, e - s) for s, e in runs if e > s],
                           dtype=np.int64).reshape(-1, 3)
-        f = phx.open(md.src, "r", allow_buffered=True)
+        try:
+            f = open_for_data(md.src, identity_of(md))
+            size = os.fstat(f.fileno()).st_size
+            if identity_of(md) is None and size != md.size_bytes:
+                f.close()
+                raise CheckpointError(md.src, f"the file is {size} bytes, its header was "
+                                      f"read from one of {md.size_bytes}: changed")
+        except BaseException:
+            self.framework.free_tensor_memory(gbuf, self.device)
+            raise
         try:
             addr = gbuf.get_base_address()
             if not len(pieces):
@@ -114,6 +165,9 @@ class PhxCopier(CopierInterface):
         self._pending = None
         try:
             got = None if handle is None else np.asarray(handle.result(), dtype=np.int64)
+            # the bytes came from the header's file, unchanged until now
+            check_identity(self.metadata.src, identity_of(self.metadata), f.fileno(),
+                           "after reading it")
         finally:
             f.close()
         if got is not None and (got != pieces[:, 2]).any():

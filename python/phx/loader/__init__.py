@@ -34,15 +34,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from phx.loader.checkpoint import Checkpoint, open_checkpoint
-from phx.loader.format import DTYPES, CheckpointError, FileIdentity, TensorInfo
+from phx.loader.format import DTYPES, CheckpointError, FileIdentity, TensorInfo, check_identity
 from phx.loader.plan import Job, Partial, Sharder, Slice, plan, slice_shape, tp_sharder
 from phx.loader.stream import (WARM_FRACTION, Backend, GPUBackend, HostBackend, LoadStats,
-                               TensorStream, backend_for, cuda_index, run)
+                               TensorStream, backend_for, cuda_index, open_for_data, run)
 
 __all__ = [
     "Backend", "Checkpoint", "CheckpointError", "DTYPES", "FileIdentity", "GPUBackend",
     "HostBackend", "Job", "LoadStats", "Partial", "Sharder", "Slice", "TensorInfo",
-    "TensorStream", "WARM_FRACTION", "iter_tensors", "load_file", "open_checkpoint", "plan",
+    "TensorStream", "WARM_FRACTION", "check_identity", "iter_tensors", "load_file",
+    "open_checkpoint", "open_for_data", "plan",
     "prepare", "slice_shape", "tp_sharder",
 ]
 

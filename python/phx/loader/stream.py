@@ -243,9 +243,13 @@ def _check(job: Job, pieces: np.ndarray, got: np.ndarray) -> None:
                           f"{fo} (the file ends at {end}: truncated while loading?)", name)
 
 
-def _open_checked(path: str, ident: FileIdentity | None, cached: str, stats: LoadStats):
-    """Open ``path`` for the data: O_DIRECT, or buffered when it is warm (or
-    O_DIRECT is refused); the handle is checked to be the header's file."""
+def open_for_data(path: str, ident: FileIdentity | None = None, cached: str = "auto",
+                  stats: LoadStats | None = None):
+    """Open ``path`` (a phx ``File``) for the data: O_DIRECT, or buffered when
+    it is warm (or O_DIRECT is refused); the handle is checked to be the file
+    ``ident`` describes (the header's).  ``stats`` records how it was opened."""
+    if stats is None:
+        stats = LoadStats()
     import phx
     f = phx.open(path, "r", allow_buffered=True)
     try:
@@ -293,7 +297,7 @@ def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
         from tqdm import tqdm
         bar = tqdm(total=sum(j.read_bytes for j in jobs), unit="B", unit_scale=True,
                    unit_divisor=1024, desc="phx load", dynamic_ncols=True)
-    opener = open_file or (lambda p: _open_checked(p, identities.get(p), cached, stats))
+    opener = open_file or (lambda p: open_for_data(p, identities.get(p), cached, stats))
     it = iter(jobs)
     flight = 0
     try:
