@@ -26,6 +26,10 @@ Writes end with an fsync for every method.  CPU cost: user + system seconds
 of the process and its children (getrusage) per GB moved.  Without a GPU the
 command says so and exits 0.
 
+``--pattern stream`` (alone or beside the others) measures the stream-ordered
+path (``phx.gpu.read_async``/``write_async`` on one and on N streams) beside
+``read_chunks``, a host-staged pool and KvikIO: see :mod:`phx.bench._gpu_stream`.
+
 Several GPUs (``--devices 0,1`` or ``all``): every row runs on all of them at
 once from this one process, a thread per device, each device with its own
 files and its own buffer (phx: one engine, a staging context per device);
@@ -50,10 +54,13 @@ from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 NAIVE_CAP = 128 * MiB
+#: --kvikio-threads of the seq and chunks patterns (the stream pattern has its own)
+KVIKIO_THREADS = "4,16,64"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pattern", default="seq,chunks", help="seq, chunks or both (default)")
+    p.add_argument("--pattern", default="seq,chunks",
+                   help="comma list of seq, chunks, stream (default seq,chunks)")
     p.add_argument("--dir", action="append", default=None,
                    help="directory for the test files (repeatable); default: "
                         "$PHX_BENCH_DIR or the current directory")
@@ -63,13 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "two files of --size per device)")
     p.add_argument("--size", default="4G", help="file size (default 4G)")
     p.add_argument("--chunk-sizes", default="64K,256K,2M,16M", help="chunk pattern sizes")
-    p.add_argument("--chunk-bytes", default="1G", help="bytes moved per chunks row (default 1G)")
+    p.add_argument("--chunk-bytes", default="1G",
+                   help="bytes moved per chunks (and stream) row (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="repeats per row (default 3)")
     p.add_argument("--methods", default="phx,raw,naive,kvikio",
                    help="comma list of phx,raw,naive,kvikio (default all)")
     p.add_argument("--ops", default="read,write", help="read,write (default both)")
     p.add_argument("--raw-threads", default="16,64", help="thread counts for raw O_DIRECT")
-    p.add_argument("--kvikio-threads", default="4,16,64", help="KvikIO thread counts (sweep)")
+    p.add_argument("--kvikio-threads", default=None,
+                   help=f"KvikIO thread counts (sweep; default {KVIKIO_THREADS}, "
+                        "stream pattern 16,64)")
     p.add_argument("--lanes", type=int, default=None, help="phx staging lanes (else defaults)")
     p.add_argument("--bufs", type=int, default=None, help="phx staging buffers per lane")
     p.add_argument("--buf-size", default=None, help="phx staging buffer size")
@@ -78,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="0",
                    help="CUDA devices fed at once: a comma list or 'all' (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from phx.bench import _gpu_stream
+    _gpu_stream.add_arguments(p)
 
 
 # ---------------------------------------------------------------------------
@@ -457,7 +469,7 @@ def _methods(args, have_kvikio: bool, op: str, pattern: str) -> list[tuple[str, 
                      lambda p, pat, g: naive(p, pat if pattern == "seq" else pat.head(NAIVE_CAP),
                                              g, w)))
     if "kvikio" in methods and have_kvikio:
-        for n in [int(x) for x in args.kvikio_threads.split(",")]:
+        for n in [int(x) for x in (args.kvikio_threads or KVIKIO_THREADS).split(",")]:
             rows.append(("kvikio", {"threads": n, "compat": True},
                          lambda p, pat, g, n=n: kvikio_io(p, pat, g, n, w)))
     return rows
@@ -470,6 +482,15 @@ def _cpu_seconds() -> float:
 
 
 def run(args) -> int:
+    patterns = [p.strip() for p in args.pattern.split(",") if p.strip()]
+    if "stream" in patterns:
+        from phx.bench import _gpu_stream
+        return _gpu_stream.run(args, [p for p in patterns if p != "stream"], _run_patterns)
+    return _run_patterns(args)
+
+
+def _run_patterns(args) -> int:
+    """The seq and chunks patterns."""
     ok, why = _gpu_ok()
     if not ok:
         print(f"phx bench gpu: no GPU here ({why}); nothing to measure.")
