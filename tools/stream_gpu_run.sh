@@ -72,7 +72,7 @@ probe() {
 
 tests() {
 	log tests
-	PHX_TEST_DIR=$TESTDIR timeout $(( $(time_left) - 20 )) python3 -m pytest -q -ra -p no:cacheprovider \
+	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -ra -p no:cacheprovider \
 		tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py tests/test_gpu_stream.py \
 		${EXTRA_TESTS:-} 2>&1 | tee -a "$LOG" | tail -40
 }
@@ -82,9 +82,12 @@ bench() {
 	local left
 	left=$(time_left)
 	[ "$left" -gt 60 ] || { log "bench skipped: no time left"; return 0; }
-	timeout $((left - 10)) python3 -m phx bench gpu --pattern stream --dir $BENCHDIR --zram 8G \
-		${STREAM_BENCH_ARGS:-} --json "$OUT/stream.json" --plot "$OUT/stream.png" 2>&1 |
-		tee -a "$LOG" | tail -80
+	# early reads on: what libphxfile (LMCache) runs with, and what lets one
+	# stream overlap its ops' file I/O (STREAM_EARLY=0 for a run without)
+	PHX_CUDA_EARLY_READS=${STREAM_EARLY:-1} timeout $((left - 10)) python3 -m phx bench gpu \
+		--pattern stream --dir $BENCHDIR --zram 8G --quiet \
+		${STREAM_BENCH_ARGS:---chunk-bytes 512M --repeat 2} \
+		--json "$OUT/stream.json" --plot "$OUT/stream.png" 2>&1 | tee -a "$LOG" | tail -100
 }
 
 setup || exit 1

@@ -602,7 +602,10 @@ static bool early_settle(struct cu_req *rq)
 /* The poller saw the stream arrive at @rq. */
 void st_arrived(struct cu_req *rq)
 {
+	/* under the lock: early_begin() reads the caller's arguments only before this */
+	pthread_mutex_lock(&rq->c->lock);
 	rq->arrived = true;
+	pthread_mutex_unlock(&rq->c->lock);
 	trace(rq, TR_ARRIVED);
 	if (rq->e_state == E_PENDING && early_settle(rq))
 		return;
@@ -623,23 +626,38 @@ void st_arrived(struct cu_req *rq)
 static void early_begin(struct cu_req *rq)
 {
 	phx_cuda *c = rq->c;
-	struct phx_inode *ino = rq->cf->f->inode;
 	uint64_t devptr, off, len, gen;
 	int64_t size, ctime_ns;
+	struct cu_file *cf;
 	bool ok;
 
-	if (!rq->cf->early_ok || args_read(rq, &devptr, &off, &len) != 0)
-		return;
-	gen = inode_wgen(ino);
-	if (inode_write_busy(ino, off, len)) {
-		stat_add(c, &c->st.early_refused, 1);
+	/*
+	 * Once the stream got there the request may finish at any moment, and
+	 * its caller's arguments and its file entry go with it: they are read
+	 * and taken while it is still waiting (the poller marks the arrival
+	 * under c->lock).
+	 */
+	pthread_mutex_lock(&c->lock);
+	if (rq->arrived || !rq->cf || !rq->cf->early_ok ||
+	    args_read(rq, &devptr, &off, &len) != 0) {
+		pthread_mutex_unlock(&c->lock);
 		return;
 	}
-	ok = file_stamp(rq->cf, &size, &ctime_ns);
+	cf = rq->cf;
+	cf->refs++;
+	pthread_mutex_unlock(&c->lock);
+	gen = inode_wgen(cf->f->inode);
+	if (inode_write_busy(cf->f->inode, off, len)) {
+		stat_add(c, &c->st.early_refused, 1);
+		cf_put(c, cf);
+		return;
+	}
+	ok = file_stamp(cf, &size, &ctime_ns);
 	pthread_mutex_lock(&c->lock);
 	if (!ok || !c->early_reads || rq->arrived || rq->state != RQ_WAITING ||
 	    __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
 		pthread_mutex_unlock(&c->lock);
+		cf_put(c, cf);
 		return;
 	}
 	rq->e_size = size;
@@ -656,6 +674,7 @@ static void early_begin(struct cu_req *rq)
 		c->early_head = rq;
 	c->early_tail = rq;
 	pthread_mutex_unlock(&c->lock);
+	cf_put(c, cf);
 	lanes_wake(c, (uint32_t)min_u64(c->nlanes, rq->nrounds));
 }
 

@@ -236,6 +236,21 @@ def context(engine=None, device: int = 0, **config):
         return ctx.ctx
 
 
+def stream_ops_status(device: int = 0) -> tuple[bool, str]:
+    """Whether stream-ordered calls (:func:`read_async`, libphxfile) work on
+    ``device`` with this driver, and why not: a private context of one small
+    staging buffer is made to find out (the driver must load the copy
+    kernels' PTX and accept stream memory operations)."""
+    _require()
+    ctx = _cuda.Context(None, device, lanes=1, bufs_per_lane=1, buf_size=64 << 10,
+                        max_io_size=64 << 10)
+    try:
+        cfg = ctx.config
+        return bool(cfg["memops"]), cfg["stream_ops_why"] or "available"
+    finally:
+        ctx.close()
+
+
 def _with_defaults(device: int, config: dict) -> dict:
     """``config`` completed by the tuned choice for ``device`` where neither
     it nor a PHX_CUDA_* variable sets a value."""
@@ -326,9 +341,16 @@ class StreamOp:
         return self._h.by_path
 
 
-def _prune() -> None:
-    while _pending and _pending[0].done():
-        _pending.popleft()
+_pending_lock = threading.Lock()
+
+
+def _keep(h) -> None:
+    """Hold a stream op's handle until it is done (its memory is the
+    request's); threads submitting at once share the queue, hence the lock."""
+    with _pending_lock:
+        while _pending and _pending[0].done():
+            _pending.popleft()
+        _pending.append(h)
 
 
 def _submit(file, buf, offset, write, stream_mode, stream=None):
@@ -344,8 +366,7 @@ def _submit(file, buf, offset, write, stream_mode, stream=None):
         h = ctx.submit_stream(file._c_file, view.ptr, view.nbytes, offset, write,
                               _stream_handle(stream, view), keep=(view.keep, file),
                               path=file.path)
-        _prune()
-        _pending.append(h)
+        _keep(h)
         return h
     return ctx.submit(file._c_file, view.ptr, view.nbytes, offset, write,
                       keep=(view.keep, file), path=file.path,

@@ -110,6 +110,11 @@ def _cuda() -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - info must not fail on it
                 out["staging"] = {"error": str(e)}
             out["devices"] = _cuda_devices()
+            try:
+                sok, swhy = gpu.stream_ops_status(0)
+                out["stream_ops"] = {"available": sok, "reason": swhy}
+            except Exception as e:  # noqa: BLE001 - info must not fail on it
+                out["stream_ops"] = {"available": False, "reason": str(e)}
         return out
     try:
         ctypes.CDLL("libcuda.so.1")

@@ -368,7 +368,8 @@ def check_unregistered_buffer():
 
 def check_enospc():
     """A slab on a full filesystem: a write past the fallocated slab fails
-    with -ENOSPC in bytes_done, logged once, and the slab is untouched."""
+    with -ENOSPC in bytes_done, logged once; a load of that range is refused
+    (-EIO at submission); the slab is untouched."""
     if SMALLFS == "-":
         raise Skip("no small filesystem (needs root to mount one)")
     h = slab("small", 4 * MiB, SMALLFS)
@@ -397,6 +398,17 @@ def check_enospc():
     assert st["failures"] == before + 2 and st["last_error"] == -errno.ENOSPC, st
     dst = alloc(n)
     register(dst, n)
+    # a range whose write failed holds no KV: its load is refused (LMCache
+    # sees a failed retrieve and recomputes), the destination untouched
+    view(dst, n)[:] = 0x5A
+    try:
+        h.read_async(dst, n, 8 * MiB, 0, s)
+    except RuntimeError as e:
+        assert f"rc={-errno.EIO}" in str(e), e
+    else:
+        raise AssertionError("a load of a failed store's range was accepted")
+    assert (view(dst, n) == 0x5A).all(), "a refused load wrote the destination"
+    assert settled()["bad_refusals"] >= 1
     r = h.read_async(dst, n, 0, 0, s)
     sync(s)
     assert r.bytes_done == n and (view(dst, n) == data).all(), "slab corrupted"
