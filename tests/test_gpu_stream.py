@@ -111,12 +111,21 @@ def test_20000_ops_on_one_stream(data_dir, rng):
     a[:, 1] = (np.arange(N, dtype=np.int64) * 7919) % (8 * MiB - 64)
     a[:, 2] = np.arange(N) * 64
     a[:, 3] = -999
+    # the stream is held (it waits for a pinned host word) until a timer
+    # thread lets it go, so the queue fills and the calls must wait
+    import ctypes
+    lib = ctypes.CDLL("libcuda.so.1")
+    gate = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    torch.cuda.synchronize()
+    assert lib.cuStreamWaitValue32_v2(ctypes.c_void_p(s.cuda_stream),
+                                      ctypes.c_uint64(gate.data_ptr()), 1, 0) == 0
+    timer = threading.Timer(1.0, lambda: gate.fill_(1))
     with phx.open(path, "r") as f:
-        with torch.cuda.stream(s):
-            sleep_stream(20)
+        timer.start()
         for i in range(N):
             ctx.stream_deferred(f._c_file, buf.data_ptr(), a[i].ctypes.data, False, s.cuda_stream)
         s.synchronize()
+    timer.join()
     got = host(buf)
     bad = [i for i in range(N) if a[i, 3] != a[i, 0] or
            not (got[a[i, 2]:a[i, 2] + a[i, 0]] == data[a[i, 1]:a[i, 1] + a[i, 0]]).all()]

@@ -360,6 +360,7 @@ struct cu_req {
 	uint32_t slot, seq;		/* its progress words and flag (cuda_stream.c) */
 	struct cu_round *rounds;
 	uint32_t nrounds;
+	uint32_t round_bytes;		/* bytes of staging per round (cuda_stream.c) */
 	uint32_t round_next;		/* next round to cut (c->lock) */
 	uint32_t prefix;		/* rounds whose descriptor is out (c->lock) */
 	uint32_t kdone;			/* rounds whose kernel ran (poller) */

@@ -101,7 +101,7 @@ static bool take_stream_locked(phx_cuda *c, struct cu_sbuf *b, struct cu_req **c
 	b->npieces = 0;
 	failed = __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE) != 0;
 	if (!failed) {
-		if (!rq_cut(rq, &b->pieces[0], &b->fill, c->cfg.buf_size, true))
+		if (!rq_cut(rq, &b->pieces[0], &b->fill, rq->round_bytes, true))
 			return false;
 		st_round_take_locked(rq, b);
 		b->npieces = 1;

@@ -96,9 +96,9 @@ static void trace(struct cu_req *rq, int pt)
 /* Arguments                                                                */
 /* ------------------------------------------------------------------------ */
 
-/* Rounds an op of @len bytes at @off needs (rq_cut's cutting, one per buffer). */
-static uint64_t rounds_needed(const phx_cuda *c, uint32_t op, uint64_t off, uint64_t len,
-			      uint32_t A)
+/* Rounds an op of @len bytes at @off needs (rq_cut's cutting, @round bytes each). */
+static uint64_t rounds_needed(uint32_t op, uint64_t off, uint64_t len, uint32_t A,
+			      uint32_t round)
 {
 	uint64_t span;
 
@@ -108,7 +108,29 @@ static uint64_t rounds_needed(const phx_cuda *c, uint32_t op, uint64_t off, uint
 		span = align_up(off + len, A) - align_down(off, A);
 	else
 		span = len + off % A;
-	return (span + c->cfg.buf_size - 1) / c->cfg.buf_size;
+	return (span + round - 1) / round;
+}
+
+/*
+ * The bytes of one round.  Reads: a whole staging buffer (their file I/O
+ * runs ahead with early reads, and fewer rounds are fewer kernels).
+ * Writes: the op spread over the lanes, 256 KiB at least: a stream write
+ * holds its stream until every round is in the file, and one lane writing
+ * a whole op alone was a third slower than eight writers on the H200's
+ * zram (its writes complete in the writing thread).
+ */
+static uint32_t round_bytes(const phx_cuda *c, uint32_t op, uint64_t len)
+{
+	uint64_t r = c->cfg.buf_size;
+
+	if (op == PHX_OP_WRITE) {
+		r = align_up((len + c->nlanes - 1) / c->nlanes, 65536);
+		if (r < (256u << 10))
+			r = 256u << 10;
+		if (r > c->cfg.buf_size)
+			r = c->cfg.buf_size;
+	}
+	return (uint32_t)r;
 }
 
 /*
@@ -139,7 +161,7 @@ static int args_read(const struct cu_req *rq, uint64_t *devptr, uint64_t *off, u
 		return -EINVAL;
 	if (*devptr < rq->alloc_lo || *devptr + *len > rq->alloc_hi || *devptr + *len < *devptr)
 		return -EFAULT;
-	if (rounds_needed(rq->c, rq->op, *off, *len, rq->cf->align) > rq->nrounds)
+	if (rounds_needed(rq->op, *off, *len, rq->cf->align, rq->round_bytes) > rq->nrounds)
 		return -E2BIG;
 	return 0;
 }
@@ -695,7 +717,7 @@ bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b)
 	b->op = PHX_OP_READ;
 	b->fill = 0;
 	b->npieces = 0;
-	if (!rq_cut(rq, &b->pieces[0], &b->fill, c->cfg.buf_size, true))
+	if (!rq_cut(rq, &b->pieces[0], &b->fill, rq->round_bytes, true))
 		return false;
 	st_round_take_locked(rq, b);
 	b->npieces = 1;
@@ -964,7 +986,8 @@ int st_submit(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f, uint
 	rq->done_arg = done_arg;
 	rq->stream = s;
 	rq->state = RQ_WAITING;
-	rounds = rounds_needed(c, op, poff, plen, rq->cf->align);
+	rq->round_bytes = round_bytes(c, op, plen);
+	rounds = rounds_needed(op, poff, plen, rq->cf->align, rq->round_bytes);
 	rq->nrounds = rounds ? (uint32_t)(rounds > UINT32_MAX / 2 ? UINT32_MAX / 2 : rounds) : 1;
 	rq->rounds = calloc(rq->nrounds, sizeof(*rq->rounds));
 	if (!rq->rounds) {
