@@ -9,7 +9,9 @@
 #     tests   the GPU tests (tests/test_gpu*.py, the stream tests, the fake-libcuda tests)
 #     bench   phx bench gpu --pattern stream: zram and disk, reads and stores, 1-32 MiB
 #             chunks, 1/2/4/8 streams, beside pread_batch and the host-staged pool
-#   (STREAM_BUDGET_S: seconds the whole call may take, 570 by default)
+#   (STREAM_BUDGET_S: seconds the whole call may take, 570 by default; GPU_TESTS:
+#   the test files; STREAM_BENCH_ARGS: the bench's options; STREAM_EARLY=0: early
+#   reads off for the bench)
 #
 # Carried (git-ignored): .devcarry/deb (Debian's liburing-dev and liburing2)
 # and .devcarry/whl (KvikIO wheels).
@@ -73,7 +75,7 @@ probe() {
 tests() {
 	log tests
 	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -ra -p no:cacheprovider \
-		tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py tests/test_gpu_stream.py \
+		${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py tests/test_gpu_stream.py} \
 		${EXTRA_TESTS:-} 2>&1 | tee -a "$LOG" | tail -40
 }
 
