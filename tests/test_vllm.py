@@ -149,7 +149,11 @@ MODEL = r"""
     model = Tiny()
     ld = get_model_loader(LoadConfig(load_format="phx",
                                      model_loader_extra_config={"group_bytes": 4096}))
-    cfg = SimpleNamespace(model=path, revision=None, quantization=None)
+    # a ModelConfig stand-in for this non-vLLM model (a real one needs a
+    # Hugging Face config: tests/test_vllm_parallel.py builds Llama with it)
+    cfg = SimpleNamespace(model=path, revision=None, quantization=None, is_moe=False,
+                          multimodal_config=None)
+    from vllm.config import VllmConfig, set_current_vllm_config
     res = {}
     # create_model: vLLM's construction (stubbed: it needs a whole VllmConfig),
     # and phx's staging prepared meanwhile only for a CUDA device (none here:
@@ -162,10 +166,12 @@ MODEL = r"""
         res["prepared_" + dev] = ld._prepared is not None
     try:
         ld.download_model(cfg)
-        ld.load_weights(model, cfg)
+        with set_current_vllm_config(VllmConfig()):
+            ld.load_weights(model, cfg)
         out = {n: p.detach().contiguous().view(-1).view(torch.uint8).tolist()
                for n, p in model.named_parameters()}
-        res.update(params=out)
+        res.update(params=out, partial=sorted(n for p in ld.plans for n in p.partial),
+                   read=sum(p.read_bytes() for p in ld.plans))
     except Exception as e:
         res = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(res))
@@ -207,6 +213,11 @@ def test_load_weights_feeds_a_small_model(data_dir, rng):
     for name, t in sd.items():
         want = t.narrow(0, 32, 32) if name.endswith(".up") else t
         assert got[name] == _bytes(want), name
+    # the model's own narrowing weight_loader was followed: only its rows of
+    # the "up" tensors were read
+    assert out["partial"] == ["layers.0.up", "layers.1.up"]
+    full = sum(t.numel() * t.element_size() for t in sd.values())
+    assert out["read"] == full - 2 * 32 * 48 * 2
 
 
 def test_load_weights_missing_or_corrupt(data_dir, rng):
@@ -221,4 +232,53 @@ def test_load_weights_missing_or_corrupt(data_dir, rng):
     for f in os.listdir(data_dir):
         os.unlink(os.path.join(data_dir, f))
     out = run_vllm(MODEL, data_dir)
-    assert "no *.safetensors" in out.get("error", ""), out
+    assert "Cannot find any model weights" in out.get("error", ""), out
+
+
+def test_register_never_raises_and_the_failure_is_said_at_use():
+    """vLLM loads the plugin in every process whatever the load format: a
+    loader that cannot be imported (phx.loader hidden here) is logged, other
+    load formats are untouched, and --load-format phx says why."""
+    out = run_vllm(r"""
+        msgs = []
+        class H(logging.Handler):
+            def emit(self, rec):
+                msgs.append(rec.getMessage())
+        logging.getLogger("vllm").addHandler(H())
+        sys.modules["phx.loader"] = None            # as if it could not be imported
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()                       # the entry point: must not raise
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        other = type(get_model_loader(LoadConfig(load_format="safetensors"))).__name__
+        try:
+            get_model_loader(LoadConfig(load_format="phx"))
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        print(json.dumps({"other": other, "err": err,
+                          "logged": [m for m in msgs if m.startswith("phx:")]}))
+    """)
+    assert out["other"] == "DefaultModelLoader"
+    assert out["err"] and "load format phx is not available" in out["err"], out
+    assert "phx.loader" in out["err"]
+    assert any("could not be imported" in m for m in out["logged"]), out
+
+
+def test_phx_fastsafetensors_without_fastsafetensors_is_logged_not_raised():
+    out = run_vllm(r"""
+        msgs = []
+        class H(logging.Handler):
+            def emit(self, rec):
+                msgs.append(rec.getMessage())
+        logging.getLogger("vllm").addHandler(H())
+        sys.modules["fastsafetensors"] = None        # as if not installed
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.model_executor import model_loader as ml
+        cls = ml._LOAD_FORMAT_TO_MODEL_LOADER.get("phx")
+        print(json.dumps({"cls": cls.__name__, "logged": [m for m in msgs if m.startswith("phx:")]}))
+    """, PHX_FASTSAFETENSORS="1")
+    assert out["cls"] == "PhxModelLoader"            # the phx format is there all the same
+    assert any("PHX_FASTSAFETENSORS=1 is not in effect" in m and "fastsafetensors is not installed"
+               in m for m in out["logged"]), out

@@ -2,26 +2,71 @@
 
 vLLM calls :func:`register` in every process it starts (the
 ``vllm.general_plugins`` entry point ``phx`` of the phx package), possibly
-several times; registering is idempotent.  The loader class lives in
-:mod:`phx_vllm.loader`, imported only here, so that importing this package
-never needs vLLM.  With ``PHX_FASTSAFETENSORS=1`` it also puts phx's
-fastsafetensors copier under fastsafetensors' own copier names, so that
-``--load-format fastsafetensors`` reads through phx (phx_fastsafetensors).
+several times, whatever the load format; registering is idempotent and never
+raises: a plugin must not take vLLM down.  If the loader cannot be imported
+(a vLLM version it does not fit, phx's extension missing), the error is
+logged and ``phx`` is registered as a loader that fails with that error when
+it is used, so ``--load-format phx`` says why and every other load format is
+untouched.  The loader class lives in :mod:`phx_vllm.loader`, imported only
+here, so that importing this package never needs vLLM.  With
+``PHX_FASTSAFETENSORS=1`` it also puts phx's fastsafetensors copier under
+fastsafetensors' own copier names, so that ``--load-format fastsafetensors``
+reads through phx (phx_fastsafetensors); if that cannot be done (e.g.
+fastsafetensors is not installed) it is logged and fastsafetensors is left
+as it is.
 """
 from __future__ import annotations
 
+import logging
 import os
+
+# a child of vLLM's logger: its handlers and level apply
+logger = logging.getLogger("vllm.phx_vllm")
 
 _registered = False
 
 
+def _register_unavailable(err: BaseException) -> None:
+    """Register ``phx`` as a loader that raises ``err``'s story when used."""
+    try:
+        from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+    except Exception as e:  # noqa: BLE001 - vLLM itself is not importable: nothing to do
+        logger.warning("phx: cannot register load format phx either: %s", e)
+        return
+    why = f"{type(err).__name__}: {err}"
+
+    @register_model_loader("phx")
+    class PhxUnavailable(BaseModelLoader):
+        """Stands in for PhxModelLoader when it could not be imported."""
+
+        def __init__(self, load_config):
+            raise RuntimeError(f"load format phx is not available in this process: {why} "
+                               "(see the phx warning logged at plugin load)")
+
+        def download_model(self, model_config):  # pragma: no cover - never constructed
+            raise NotImplementedError
+
+        def load_weights(self, model, model_config):  # pragma: no cover
+            raise NotImplementedError
+
+
 def register() -> None:
-    """Register the ``phx`` load format with vLLM (once per process)."""
+    """Register the ``phx`` load format with vLLM (once per process); never raises."""
     global _registered
     if _registered:
         return
-    from phx_vllm import loader  # noqa: F401  (the decorator registers the class)
-    if os.environ.get("PHX_FASTSAFETENSORS", "") not in ("", "0"):
-        import phx_fastsafetensors
-        phx_fastsafetensors.replace()
     _registered = True
+    try:
+        from phx_vllm import loader  # noqa: F401  (the decorator registers the class)
+    except Exception as e:  # noqa: BLE001 - logged; --load-format phx will say it
+        logger.warning("phx: the vLLM loader could not be imported, --load-format phx is "
+                       "unavailable: %s: %s", type(e).__name__, e, exc_info=True)
+        _register_unavailable(e)
+    if os.environ.get("PHX_FASTSAFETENSORS", "") not in ("", "0"):
+        try:
+            import phx_fastsafetensors
+            phx_fastsafetensors.replace()
+        except Exception as e:  # noqa: BLE001 - logged; fastsafetensors is left alone
+            logger.warning("phx: PHX_FASTSAFETENSORS=1 is not in effect: %s: %s "
+                           "(--load-format fastsafetensors reads with its own copier, if "
+                           "it is installed)", type(e).__name__, e)

@@ -1,66 +1,134 @@
 """``PhxModelLoader``: vLLM's ``--load-format phx``.
 
-``download_model`` makes sure the safetensors files are local (a directory
-as given, else vLLM's own Hugging Face download of ``*.safetensors`` and the
-index); ``load_weights`` feeds ``model.load_weights`` with
-:func:`phx.loader.iter_tensors`: every header validated first, merged
-contiguous O_DIRECT reads in file order, each tensor handed over once its
-bytes are on the device the model's parameters live on (GPU: through
-phx.gpu's bounded pinned staging; vLLM's weight loaders then copy or narrow
-it into the parameter, so tensor parallelism works as with the default
-loader, each rank reading whole tensors).
+Built on vLLM's ``DefaultModelLoader``, so everything it does around the
+reads stays vLLM's own: which files (``*.safetensors``, filtered by the
+index; a model's ``allow_patterns_overrides``; sub-folder sources and
+``secondary_weights``; the ``--mm-encoder-only`` and ``is_unused_weight``
+shard filters), the expert-parallel filter (non-local experts are not
+read), the "Loading weights took" log, strict weight tracking, and
+``get_all_weights`` for ``reload_weights``.  Only the reading is phx's
+(:func:`phx.loader.iter_tensors`): every header of every file validated
+first, the data from the same files or a ``CheckpointError``, merged O_DIRECT
+reads (buffered for files already in the page cache), GPU targets staged
+through phx.gpu's bounded pinned buffers.
+
+Each rank reads its part.  Before the load, the model's own
+``load_weights`` is run once on meta tensors (:mod:`phx_vllm.trace`): the
+tensors it never touches (another pipeline stage's layers, another rank's
+experts, tied or unused weights) are not read at all, and of a tensor its
+weight loader narrows (a tensor-parallel rank's rows or columns, a
+vocabulary shard, a q/k/v head range) only what it copies is read; it gets
+a tensor of the checkpoint's full shape, whose other bytes are left unread
+(:class:`phx.loader.Partial`).  Where the dry run cannot follow the code (a
+quantized model, an operation on the tensor it cannot trace, a reload,
+``slices: false``), whole tensors are read and the log says so.
 
 ``--model-loader-extra-config`` keys: ``group_bytes`` and ``inflight_bytes``
-(integers, see :func:`phx.loader.iter_tensors`), ``progress`` (bool, default:
-vLLM's ``use_tqdm_on_load``), ``device`` (override the target device).
+(int, :func:`phx.loader.iter_tensors`), ``progress`` (bool, default vLLM's
+``use_tqdm_on_load``), ``device`` (str, overrides the target device),
+``slices`` (bool, default true: read per rank), ``cached`` ("auto",
+"always", "never": page cache for warm files), and vLLM's own
+``enable_weights_track``.
 """
 from __future__ import annotations
 
-import glob
-import os
-from collections.abc import Iterator
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
-from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
+from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+from vllm.model_executor.model_loader.weight_utils import (
+    filter_mm_encoder_only_safetensors_files, filter_safetensors_files_by_weight_name)
 
 from phx import loader as phx_loader
+from phx.loader.plan import box_runs, merge_runs
+from phx_vllm.trace import TraceError, trace_uses
 
-_KEYS = {"group_bytes": int, "inflight_bytes": int, "progress": bool, "device": str}
+# under vLLM's logger, so that its handlers and level apply (a logger named
+# after this module would propagate to the unconfigured root and be dropped)
+logger = logging.getLogger("vllm.phx_vllm.loader")
+
+_KEYS = {"group_bytes": int, "inflight_bytes": int, "progress": bool, "device": str,
+         "slices": bool, "cached": str}
+#: DefaultModelLoader's keys that still mean something here
+_VLLM_KEYS = {"enable_weights_track"}
+
+
+def _torch_dtype(safetensors_dtype: str) -> torch.dtype:
+    return getattr(torch, phx_loader.DTYPES[safetensors_dtype][1])
+
+
+@dataclasses.dataclass
+class SourcePlan:
+    """What one weight source (the model's files, or a secondary source) is
+    read as on this rank."""
+    source: DefaultModelLoader.Source
+    checkpoint: phx_loader.Checkpoint
+    names: list[str]                                     # read, in checkpoint names
+    partial: dict[str, phx_loader.Partial]               # of those, read in part
+    skipped: int = 0                                     # not needed on this rank
+
+    def read_bytes(self) -> int:
+        total = 0
+        for n in self.names:
+            t = self.checkpoint.tensors[n]
+            p = self.partial.get(n)
+            if p is None:
+                total += t.nbytes
+            else:
+                runs = merge_runs(r for b in p.boxes for r in box_runs(t, b))
+                total += sum(size for _, size in runs)
+        return total
 
 
 @register_model_loader("phx")
-class PhxModelLoader(BaseModelLoader):
-    """Safetensors checkpoints through phx (O_DIRECT, GPU staging, validated)."""
+class PhxModelLoader(DefaultModelLoader):
+    """Safetensors checkpoints through phx, each rank reading its part."""
 
     def __init__(self, load_config: LoadConfig):
-        super().__init__(load_config)
         extra = load_config.model_loader_extra_config or {}
         if not isinstance(extra, dict):
             raise ValueError(f"model_loader_extra_config must be a dict for load format phx, "
                              f"got {type(extra).__name__}")
-        bad = set(extra) - set(_KEYS)
+        bad = set(extra) - set(_KEYS) - _VLLM_KEYS
         if bad:
             raise ValueError(f"unexpected model_loader_extra_config keys for load format "
-                             f"phx: {sorted(bad)} (known: {sorted(_KEYS)})")
+                             f"phx: {sorted(bad)} (known: {sorted(set(_KEYS) | _VLLM_KEYS)})")
         for k, typ in _KEYS.items():
             if k in extra and not isinstance(extra[k], typ):
                 raise ValueError(f"model_loader_extra_config[{k!r}] must be {typ.__name__}")
-        self.extra = dict(extra)
+        if extra.get("cached", "auto") not in ("auto", "always", "never"):
+            raise ValueError("model_loader_extra_config['cached'] must be auto, always or never")
+        # DefaultModelLoader knows the safetensors format, not "phx", and
+        # refuses keys it does not know: it is given a safetensors view of
+        # the config; self.load_config stays the real one
+        self._st_config = dataclasses.replace(
+            load_config, load_format="safetensors",
+            model_loader_extra_config={k: v for k, v in extra.items() if k in _VLLM_KEYS})
+        super().__init__(self._st_config)
+        self.load_config = load_config
+        self.extra = {k: v for k, v in extra.items() if k in _KEYS}
         self._prepared = None           # create_model()'s head start on the staging
+        self._slicing = False           # set while load_weights runs (not for a reload)
+        self.plans: list[SourcePlan] = []
+        self.stats: list[phx_loader.LoadStats] = []
 
-    def _folder(self, model_config: ModelConfig) -> str:
-        path = model_config.model
-        if os.path.isdir(path):
-            return path
-        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
-        return download_weights_from_hf(
-            path, self.load_config.download_dir,
-            ["*.safetensors", "*.safetensors.index.json"],
-            revision=model_config.revision,
-            ignore_patterns=self.load_config.ignore_patterns)
+    # -- vLLM's DefaultModelLoader, with the safetensors view of the config --
+
+    def _prepare_weights(self, *args: Any, **kwargs: Any):
+        real, self.load_config = self.load_config, self._st_config
+        try:
+            return super()._prepare_weights(*args, **kwargs)
+        finally:
+            self.load_config = real
 
     def create_model(self, vllm_config, model_config: ModelConfig, prefix: str = ""):
         """vLLM's model construction, with phx's staging context made meanwhile
@@ -74,10 +142,109 @@ class PhxModelLoader(BaseModelLoader):
             self._prepared = None
         return super().create_model(vllm_config, model_config, prefix)
 
-    def download_model(self, model_config: ModelConfig) -> None:
-        folder = self._folder(model_config)
-        if not glob.glob(os.path.join(folder, "*.safetensors")):
-            raise RuntimeError(f"load format phx: no *.safetensors in {folder}")
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """DefaultModelLoader's (filters, log, weight tracking), reading per rank."""
+        self._slicing = self.extra.get("slices", True)
+        try:
+            super().load_weights(model, model_config)
+        finally:
+            self._slicing = False
+
+    # -- the files and what this rank reads of them ------------------------
+
+    def _sources(self, model_config: ModelConfig, model: nn.Module
+                 ) -> list[DefaultModelLoader.Source]:
+        primary = DefaultModelLoader.Source(
+            model_config.model, model_config.revision, prefix="",
+            fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+            allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+            is_unused_weight=getattr(model, "is_unused_checkpoint_weight", None))
+        secondary = cast(Iterable[DefaultModelLoader.Source],
+                         getattr(model, "secondary_weights", ()))
+        return [primary, *secondary]
+
+    def _files(self, source: DefaultModelLoader.Source) -> list[str]:
+        """The safetensors files of ``source``, filtered as DefaultModelLoader does."""
+        folder, files, use_st, index_file = self._prepare_weights(
+            source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,
+            source.allow_patterns_overrides)
+        if not use_st:
+            raise RuntimeError(f"load format phx reads safetensors checkpoints; "
+                               f"{source.model_or_path} has none")
+        if self._encoder_only_lm_prefixes is not None and files:
+            files = filter_mm_encoder_only_safetensors_files(
+                files, folder, index_file, self._encoder_only_lm_prefixes,
+                weights_mapper=self._encoder_only_weights_mapper)
+            if not files:
+                raise RuntimeError("mm-encoder-only shard filter removed all weight files for "
+                                   f"{source.model_or_path!r}")
+        if source.is_unused_weight is not None:
+            files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
+        return sorted(files)
+
+    def plan(self, model_config: ModelConfig, model: nn.Module) -> list[SourcePlan]:
+        """Open and validate every source's headers, and decide what this
+        rank reads of each tensor."""
+        plans = []
+        for src in self._sources(model_config, model):
+            ck = phx_loader.open_checkpoint(self._files(src))
+            names = [n for n in ck.tensors
+                     if not should_skip_weight(n, self.local_expert_ids)
+                     and not (src.is_unused_weight is not None and src.is_unused_weight(n))]
+            plans.append(SourcePlan(src, ck, names, {}, len(ck.tensors) - len(names)))
+        why = self._why_whole(model_config)
+        if why is None:
+            specs = [(p.source.prefix + n, p.checkpoint.tensors[n].shape,
+                      _torch_dtype(p.checkpoint.tensors[n].dtype))
+                     for p in plans for n in p.names]
+            try:
+                uses = trace_uses(model.load_weights, model, specs)
+            except TraceError as e:
+                why = f"the dry run of the model's load_weights failed ({e})"
+            else:
+                self._apply(plans, uses)
+        self._log_plan(plans, why)
+        return plans
+
+    def _why_whole(self, model_config: ModelConfig) -> str | None:
+        if not self._slicing:
+            return ("reload_weights: the model is in its loaded (kernel) form, so the slices "
+                    "its weight loaders take are not known before the reload")
+        if model_config.quantization is not None:
+            return (f"quantized model ({model_config.quantization}): its weight loaders may "
+                    "keep state, so they are not dry-run")
+        return None
+
+    @staticmethod
+    def _apply(plans: list[SourcePlan], uses) -> None:
+        for p in plans:
+            keep, partial = [], {}
+            for n in p.names:
+                u = uses[p.source.prefix + n]
+                if not u.used:
+                    continue
+                keep.append(n)
+                t = p.checkpoint.tensors[n]
+                boxes = tuple(dict.fromkeys(u.boxes))
+                covered = merge_runs(r for b in boxes for r in box_runs(t, b))
+                if not u.whole_because and covered != [(0, t.nbytes)]:
+                    partial[n] = phx_loader.Partial(boxes)
+            p.skipped += len(p.names) - len(keep)
+            p.names, p.partial = keep, partial
+
+    def _log_plan(self, plans: list[SourcePlan], why: str | None) -> None:
+        total = sum(p.checkpoint.nbytes for p in plans)
+        read = sum(p.read_bytes() for p in plans)
+        n = sum(len(p.names) for p in plans)
+        sliced = sum(len(p.partial) for p in plans)
+        skipped = sum(p.skipped for p in plans)
+        logger.info("phx: this rank reads %.3f of %.3f GB (%.1f%%) of the checkpoint: %d "
+                    "tensors, %d of them in part, %d not needed here",
+                    read / 1e9, total / 1e9, 100 * read / max(total, 1), n, sliced, skipped)
+        if why is not None:
+            logger.info("phx: reading whole tensors: %s", why)
+
+    # -- the weights -------------------------------------------------------
 
     def _device(self, model: nn.Module) -> torch.device:
         if "device" in self.extra:
@@ -87,18 +254,42 @@ class PhxModelLoader(BaseModelLoader):
                 return p.device
         return torch.device(self.load_config.device or "cpu")
 
-    def weights(self, model_config: ModelConfig, device) -> Iterator[tuple[str, torch.Tensor]]:
-        """The ``(name, tensor)`` iterator handed to ``model.load_weights``."""
-        kw = {k: self.extra[k] for k in ("group_bytes", "inflight_bytes") if k in self.extra}
-        return phx_loader.iter_tensors(
-            self._folder(model_config), device,
-            progress=self.extra.get("progress", bool(self.load_config.use_tqdm_on_load)),
-            **kw)
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight this rank keeps, ``(name, tensor)``, from every source
+        (vLLM's ``reload_weights`` calls this too).  The headers are read and
+        validated, and the plan made, now; the data are read as the iterator
+        is consumed."""
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        self.plans = self.plan(model_config, model)
+        self.stats = []
+        device = self._device(model)
+        kw = {k: self.extra[k] for k in ("group_bytes", "inflight_bytes", "cached")
+              if k in self.extra}
+        progress = self.extra.get("progress", bool(self.load_config.use_tqdm_on_load))
 
-    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        loaded = model.load_weights(self.weights(model_config, self._device(model)))
-        if loaded is not None and model_config.quantization is None:
-            missing = {n for n, _ in model.named_parameters()} - set(loaded)
-            if missing:
-                raise ValueError("load format phx: weights not found in the checkpoint: "
-                                 f"{sorted(missing)[:8]}")
+        def source(p: SourcePlan) -> Iterator[tuple[str, torch.Tensor]]:
+            if not p.names:
+                return
+            it = phx_loader.iter_tensors(p.checkpoint, device, names=p.names,
+                                         shard=lambda name, shape: p.partial.get(name),
+                                         progress=progress, **kw)
+            self.stats.append(it.stats)
+            for name, t in it:
+                yield p.source.prefix + name, t
+            s = it.stats
+            logger.info("phx: read %.3f GB of %d tensors from %d files (%d through the page "
+                        "cache); at most %.1f MiB held by the loader",
+                        s.bytes_read / 1e9, s.tensors, len(s.files), len(s.buffered_files),
+                        s.peak_held_bytes / (1 << 20))
+        return itertools.chain.from_iterable(source(p) for p in self.plans)
+
+    def _get_weights_iterator(self, source: DefaultModelLoader.Source
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One source, whole tensors (DefaultModelLoader's hook; phx's own
+        path is :meth:`get_all_weights`, which plans all sources at once)."""
+        ck = phx_loader.open_checkpoint(self._files(source))
+        names = [n for n in ck.tensors if not should_skip_weight(n, self.local_expert_ids)]
+        it = phx_loader.iter_tensors(ck, self.extra.get("device", "cpu"), names=names)
+        return ((source.prefix + n, t) for n, t in it)
