@@ -282,3 +282,41 @@ def test_phx_fastsafetensors_without_fastsafetensors_is_logged_not_raised():
     assert out["cls"] == "PhxModelLoader"            # the phx format is there all the same
     assert any("PHX_FASTSAFETENSORS=1 is not in effect" in m and "fastsafetensors is not installed"
                in m for m in out["logged"]), out
+
+
+def test_expert_parallel_rank_reads_only_its_experts(data_dir, rng):
+    """With vLLM's expert-parallel filter set (local experts 0 and 1 of 4),
+    the other experts' weights are neither dry-run nor read; dense weights
+    and expert scales (which vLLM never filters) are."""
+    sd = {f"layers.0.experts.{e}.w1.weight": rand_tensor(rng, (16, 8), torch.bfloat16)
+          for e in range(4)}
+    sd["layers.0.experts.3.w1.weight_scale"] = rand_tensor(rng, (1,), torch.float32)
+    sd["layers.0.gate.weight"] = rand_tensor(rng, (4, 8), torch.bfloat16)
+    st.save_file(sd, os.path.join(data_dir, "model.safetensors"))
+    out = run_vllm(r"""
+        import phx_vllm
+        phx_vllm.register()
+        from types import SimpleNamespace
+        from torch import nn
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+
+        class Model(nn.Module):
+            def load_weights(self, weights):
+                seen = []
+                for name, t in weights:
+                    seen.append(name)
+                    torch.empty(t.shape, dtype=t.dtype).copy_(t)
+                return set(seen)
+
+        ld = get_model_loader(LoadConfig(load_format="phx"))
+        ld.local_expert_ids = {0, 1}
+        ld._slicing = True
+        cfg = SimpleNamespace(model=sys.argv[1], revision=None, quantization=None)
+        model = Model()
+        names = sorted(n for n, _ in ld.get_all_weights(cfg, model))
+        print(json.dumps({"names": names, "skipped": ld.plans[0].skipped}))
+    """, data_dir)
+    assert out["names"] == ["layers.0.experts.0.w1.weight", "layers.0.experts.1.w1.weight",
+                            "layers.0.experts.3.w1.weight_scale", "layers.0.gate.weight"], out
+    assert out["skipped"] == 2
