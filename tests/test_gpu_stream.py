@@ -99,8 +99,9 @@ def test_thread_that_never_touched_cuda(data_dir, rng):
 
 
 def test_20000_ops_on_one_stream(data_dir, rng):
-    """Five times the in-flight slots on one stream: the calls wait for room
-    (backpressure) instead of failing; every op is byte-exact."""
+    """Five times the in-flight slots on one stream, queued while the stream is
+    held: the calls wait for room (backpressure) instead of failing; every op
+    is byte-exact."""
     N = 20000
     path, data = make(data_dir, rng, 8 * MiB + 3)
     ctx = phx.gpu.context(_new=True)
@@ -130,7 +131,10 @@ def test_20000_ops_on_one_stream(data_dir, rng):
     bad = [i for i in range(N) if a[i, 3] != a[i, 0] or
            not (got[a[i, 2]:a[i, 2] + a[i, 0]] == data[a[i, 1]:a[i, 1] + a[i, 0]]).all()]
     assert not bad, f"{len(bad)} of {N} ops wrong, first {bad[0]}: {a[bad[0]]}"
-    assert ctx.stats()["queue_waits"] > 0
+    # Which queue fills first is the driver's business: on the H200 CUDA's own
+    # command queue blocked the caller before phx's 4,096 slots were taken
+    # (queue_waits 0); on the fake libcuda phx's slots fill (cuda_fake_test.c
+    # asserts the wait there).  Either way nothing failed and nothing was lost.
     ctx.close()
 
 
