@@ -34,11 +34,11 @@ def test_llama_shapes_scale_to_the_size():
 
 
 def test_gpu_only_methods_are_dropped_for_the_cpu():
-    """st-cpu and phx-warm equal st and phx when the target is the CPU."""
+    """st-cpu and phx-prepared equal st and phx when the target is the CPU."""
     ms = ",".join(bench.METHODS)
     assert bench._methods(ms, "cuda") == list(bench.METHODS)
     assert bench._methods(ms, "cpu") == [m for m in bench.METHODS
-                                         if m not in ("st-cpu", "phx-warm")]
+                                         if m not in ("st-cpu", "phx-prepared")]
     with pytest.raises(SystemExit, match="unknown methods"):
         bench._methods("phx,nope", "cuda")
 
@@ -67,14 +67,31 @@ def test_bench_load_cpu_all_methods_disk_and_zram(data_dir):
     assert doc["benchmark"] == "load" and doc["device"] == "cpu" and doc["shards"] == 4
     wheres = ["disk", "zram"] if os.geteuid() == 0 else ["disk"]
     for where in wheres:
-        rows = {x["method"]: x for x in doc["rows"] if x["where"] == where}
-        assert sorted(rows) == sorted(["phx", "st", "fst-nogds", "fst-phx", "raw (16t)"]), rows
+        rows = {(x["method"], x["cache"]): x for x in doc["rows"] if x["where"] == where}
+        cold = ["phx", "phx-iter", "st", "fst-nogds", "fst-phx", "raw (16t)"]
+        assert sorted(rows) == sorted([(m, "cold") for m in cold]
+                                      + [(m, "warm") for m in ("phx", "st", "fst-nogds")]), rows
         for m, x in rows.items():
             assert x["check"] in ("ok", "bytes only"), (where, m, x)
             assert x["bytes"] >= doc["checkpoint_bytes"] * 0.99
             assert x["gbps"] > 0 and x["cpu_s"] >= 0 and x["peak_rss"] > 0
-        assert rows["phx"]["check"] == "ok" and "vs_raw" in rows["phx"]
-    assert "phx" in r.stdout and "x raw" in r.stdout
+            assert "gpu_extra" not in x            # no GPU here
+        assert rows[("phx", "cold")]["check"] == "ok" and "vs_raw" in rows[("phx", "cold")]
+        # the warm row read every file from the page cache, the cold one none
+        # (when the caches could be dropped: root)
+        warm, coldphx = rows[("phx", "warm")], rows[("phx", "cold")]
+        assert warm["files"] == 4 and warm["buffered_files"] == 4, warm
+        if os.geteuid() == 0:
+            assert coldphx["buffered_files"] == 0, coldphx
+        # the loader's own memory: load_file holds all it read until the end,
+        # the iterator (tensors copied into "parameters" and dropped) at most
+        # its in-flight window plus one group (here the whole 24 MB
+        # checkpoint fits in the window: tests/test_loader_checks.py checks
+        # the bound with a small one)
+        assert coldphx["held_peak"] >= coldphx["bytes"]
+        it = rows[("phx-iter", "cold")]
+        assert 0 < it["held_peak"] <= min(it["bytes"], (1 << 30) + (256 << 20)), it
+    assert "phx" in r.stdout and "x raw" in r.stdout and "warm: phx" in r.stdout
 
 
 def test_bench_load_tensor_parallel_ranks_get_their_slices(data_dir):

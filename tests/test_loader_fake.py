@@ -61,7 +61,11 @@ CHILD = textwrap.dedent(r"""
         shard = loader.tp_sharder(rank, ws, {r"^w2$": 1, r"^w3$": 1, r"^v$": 0})
     ck = loader.open_checkpoint(path)
     jobs = loader.plan(ck.tensors.values(), 64 << 10 if mode in ("small", "truncate") else 256 << 20, shard)
-    it = run(jobs, FakeDevice(), inflight_bytes=128 << 10)
+    # O_DIRECT unless the mode is "warm" (a file the test just wrote is in
+    # the page cache: "auto" would read every case buffered); no header
+    # identities, so that a cut file shows the short-read check
+    it = run(jobs, FakeDevice(), inflight_bytes=128 << 10,
+             cached="always" if mode == "warm" else "never")
     res = {}
     try:
         if mode == "truncate":
@@ -92,10 +96,10 @@ def _child(fake_cuda, tmp_path, path, mode, *extra):
     return pickle.load(open(out, "rb"))
 
 
-@pytest.mark.parametrize("mode", ["whole", "small", "prepared"])
+@pytest.mark.parametrize("mode", ["whole", "small", "prepared", "warm"])
 def test_fake_gpu_every_tensor_matches_safetensors(fake_cuda, tmp_path, data_dir, rng, mode):
-    """Every tensor byte-exact; also after ``loader.prepare(0)``, whose context
-    the load then uses."""
+    """Every tensor byte-exact, O_DIRECT and (warm) through the page cache;
+    also after ``loader.prepare(0)``, whose context the load then uses."""
     path = os.path.join(data_dir, "m.safetensors")
     st.save_file(random_state(rng, big=2 * MiB + 7), path)
     ref = st.load_file(path)

@@ -9,9 +9,13 @@ every dimension down, a larger one adds layers, to about that many bytes.  Metho
 are its own), page cache dropped before every row:
 
 * ``phx``          ``phx.loader.load_file(index, device)``
-* ``phx-warm``     the same with phx.gpu's staging context made before the clock
+* ``phx-prepared`` the same with phx.gpu's staging context made before the clock
                    starts (``phx.loader.prepare``, as the vLLM loader does while
                    vLLM builds the model; GPU only)
+* ``phx-iter``     ``phx.loader.iter_tensors``, each tensor copied into a
+                   destination of its shape made before the clock (the model's
+                   parameters) and dropped, as vLLM's loader consumes it: its
+                   peak extra memory is the loader's own
 * ``st``           ``safetensors.torch.load_file(shard, device=device)`` per shard
                    (on the CPU its tensors map the file: every method's rows to
                    the CPU include touching each page once)
@@ -30,9 +34,20 @@ loads whole tensors and keeps its slice, as vLLM's default loader does;
 ``raw``: the files once.  Every rank's slices are checked against the
 checkpoint's.  Other methods are not run with ``--tp``.
 
+Warm rows (``--warm METHODS``, default ``phx,st,fst-nogds``): the same
+checkpoint read right after it was read once, page cache kept: the page
+cache is dropped, every file read through it once, then the method runs
+(``cache`` column "warm"; all other rows are "cold").  phx reads a file that
+is mostly in the page cache from there (buffered) instead of O_DIRECT; the
+phx rows report how many files it read that way.
+
 Reported: seconds until every tensor is on the device, GB/s, CPU seconds
 (user + system of the process, getrusage), peak RSS and its growth over the
-process's state just before loading (after imports and CUDA start-up), and
+process's state just before loading (after imports and CUDA start-up), the
+peak *extra* device memory (GPU: ``torch.cuda.max_memory_allocated`` during
+the load minus what is allocated when it ends, i.e. what was allocated and
+given back; for phx rows also the loader's own count of target bytes held
+and not yet handed out, ``LoadStats.peak_held_bytes``, on any device), and
 whether every tensor's bytes equal the checkpoint's (BLAKE2 of each tensor,
 against digests taken when it was written).  Rows run on a fresh zram block
 device with ext4 (``--zram SIZE``; first) and on ``--dir`` (the disk); the
@@ -60,7 +75,9 @@ from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size
                                progress, reset_peak_rss, storage_description, write_json)
 
 MiB, GiB = 1 << 20, 1 << 30
-METHODS = ("phx", "phx-warm", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
+METHODS = ("phx", "phx-prepared", "phx-iter", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
+#: methods whose warm row reads through the page cache in a way worth showing
+WARM_METHODS = ("phx", "phx-iter", "st", "st-cpu", "fst-nogds", "fst-phx")
 LLAMA3_8B = {"vocab": 128256, "hidden": 4096, "inter": 14336, "layers": 32, "kv": 1024}
 #: Megatron-style tensor parallelism of a Llama checkpoint: name regex -> dim
 LLAMA_TP = {r"(q|k|v|gate|up)_proj\.weight$": 0, r"(o|down)_proj\.weight$": 1,
@@ -81,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="repeats per row (default 2)")
     p.add_argument("--raw-threads", default="16", help="thread counts for raw (best is shown)")
     p.add_argument("--keep", action="store_true", help="reuse a checkpoint already in --dir")
+    p.add_argument("--warm", default="phx,st,fst-nogds",
+                   help="methods that also get a warm row (page cache kept after one read of "
+                        "the checkpoint; '' for none; of " + ",".join(WARM_METHODS) + ")")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks in one process (default 1; with N > 1 only "
                         + ",".join(TP_METHODS) + " run)")
@@ -322,12 +342,31 @@ def tp_reference(d: str, tp: int) -> dict[str, str]:
     return refs
 
 
-def _load(method: str, d: str, device: str) -> dict[str, Any]:
+def _destinations(d: str, device: str) -> dict[str, Any]:
+    """Tensors of every checkpoint tensor's shape and dtype on ``device``
+    (phx-iter's "model parameters"), made before the clock starts."""
+    import torch
+
+    from phx import loader
+    ck = loader.open_checkpoint(os.path.join(d, "model.safetensors.index.json"))
+    return {n: torch.empty(t.shape, dtype=getattr(torch, loader.DTYPES[t.dtype][1]),
+                           device=device) for n, t in ck.tensors.items()}
+
+
+def _load(method: str, d: str, device: str, dest: dict | None = None) -> dict[str, Any]:
     """Run ``method``; returns the tensors (and what keeps them alive)."""
-    if method in ("phx", "phx-warm"):
+    index = os.path.join(d, "model.safetensors.index.json")
+    if method in ("phx", "phx-prepared"):
         from phx import loader
-        return {"tensors": loader.load_file(os.path.join(d, "model.safetensors.index.json"),
-                                            device)}
+        it = loader.iter_tensors(index, device, inflight_bytes=4 * loader.INFLIGHT_BYTES)
+        return {"tensors": dict(it), "phx_stats": it.stats}
+    if method == "phx-iter":
+        from phx import loader
+        it = loader.iter_tensors(index, device)
+        for name, t in it:
+            dest[name].copy_(t)            # vLLM's weight loaders copy into the parameter
+            del t
+        return {"tensors": dest, "phx_stats": it.stats}
     if method in ("st", "st-cpu"):
         from safetensors.torch import load_file
         out = {}
@@ -368,24 +407,30 @@ def worker(method: str, d: str, device: str, threads: int, tp: int = 1) -> dict[
         return {"seconds": dt, "bytes": n, "cpu_s": cpu1 - cpu0, "peak_rss": peak,
                 "extra_rss": peak - base, "digests": None}
     import torch
-    if device.startswith("cuda"):
+    cuda = device.startswith("cuda")
+    if cuda:
         torch.zeros(1, device=device)          # CUDA start-up is not the loader's
         torch.cuda.synchronize()
     import safetensors.torch  # noqa: F401   (imports are not timed)
     if method.startswith("fst"):
         import fastsafetensors  # noqa: F401
-    if method in ("phx", "phx-warm", "fst-phx"):
+    if method in ("phx", "phx-prepared", "phx-iter", "fst-phx"):
         import phx.gpu  # noqa: F401
         import phx.loader
-        if method == "phx-warm":          # the staging made before the clock starts
+        if method == "phx-prepared":      # the staging made before the clock starts
             phx.loader.prepare(device).result()
+    dest = _destinations(d, device) if method == "phx-iter" else None
+    devs = sorted(set(_rank_devices(device, tp))) if cuda else []
+    for dev in devs:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    gpu0 = sum(torch.cuda.memory_allocated(dev) for dev in devs)
     base = reset_peak_rss()
     cpu0, _ = _usage()
     t0 = time.perf_counter()
-    res = _load(method, d, device) if tp == 1 else _load_tp(method, d, device, tp)
-    if device.startswith("cuda"):
-        for dev in sorted(set(_rank_devices(device, tp))):
-            torch.cuda.synchronize(dev)
+    res = _load(method, d, device, dest) if tp == 1 else _load_tp(method, d, device, tp)
+    for dev in devs:
+        torch.cuda.synchronize(dev)
     else:
         # safetensors' CPU tensors are a copy-on-write mmap of the file: read
         # lazily.  Touch one byte of every page, for every method alike, so
@@ -395,6 +440,18 @@ def worker(method: str, d: str, device: str, threads: int, tp: int = 1) -> dict[
                 t.reshape(-1).view(torch.uint8)[::4096].max()
     dt = time.perf_counter() - t0
     cpu1, peak = _usage()
+    gpu = None
+    if devs:
+        # what the load allocated on the GPU and gave back before it ended:
+        # its extra memory beyond the tensors it returns (the peak of the sum
+        # over devices is at most the sum of their peaks)
+        end = sum(torch.cuda.memory_allocated(dev) for dev in devs)
+        top = sum(torch.cuda.max_memory_allocated(dev) for dev in devs)
+        gpu = {"before": gpu0, "end": end, "peak": top, "extra": top - end}
+    st = res.get("phx_stats")
+    phx_stats = None if st is None else {
+        "files": len(st.files), "buffered_files": len(st.buffered_files),
+        "peak_held_bytes": st.peak_held_bytes, "bytes_read": st.bytes_read}
     tensors = res["tensors"]
     n = sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -405,7 +462,7 @@ def worker(method: str, d: str, device: str, threads: int, tp: int = 1) -> dict[
     with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as ex:
         digests = dict(ex.map(dig, tensors.items()))
     return {"seconds": dt, "bytes": n, "cpu_s": cpu1 - cpu0, "peak_rss": peak,
-            "extra_rss": peak - base, "digests": digests}
+            "extra_rss": peak - base, "gpu": gpu, "phx": phx_stats, "digests": digests}
 
 
 def run_worker(args) -> int:
@@ -452,7 +509,7 @@ def _methods(spec: str, device: str) -> list[str]:
     bad = [m for m in ms if m not in METHODS]
     if bad:
         raise SystemExit(f"phx bench load: unknown methods {bad} (known: {', '.join(METHODS)})")
-    for m in ("st-cpu", "phx-warm"):
+    for m in ("st-cpu", "phx-prepared"):
         if device == "cpu" and m in ms:
             ms.remove(m)             # identical to st / phx on the CPU
     return ms
@@ -465,46 +522,77 @@ def _copy_tree(src: str, dst: str) -> None:
             shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
 
 
+def read_once(d: str) -> None:
+    """Read every shard of ``d`` through the page cache once (a warm row's
+    "it was just read": a restart, a second replica, a fresh download)."""
+    buf = bytearray(16 * MiB)
+    for p in _shards(d):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def _warm_methods(spec: str, methods: list[str]) -> list[str]:
+    ms = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in ms if m not in WARM_METHODS]
+    if bad:
+        raise SystemExit(f"phx bench load: no warm row for {bad} (known: {', '.join(WARM_METHODS)})")
+    return [m for m in ms if m in methods]
+
+
+def _row(where: str, m: str, t: int, cache: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rs if "error" not in r]
+    row: dict[str, Any] = {"where": where, "method": m if m != "raw" else f"raw ({t}t)",
+                           "cache": cache, "runs": rs}
+    if ok:
+        secs, spread = median_spread([r["seconds"] for r in ok])
+        row.update(seconds=secs, spread=spread, bytes=ok[0]["bytes"],
+                   gbps=ok[0]["bytes"] / secs / 1e9,
+                   cpu_s=median_spread([r["cpu_s"] for r in ok])[0],
+                   peak_rss=max(r["peak_rss"] for r in ok),
+                   extra_rss=max(r["extra_rss"] for r in ok),
+                   check=("ok" if all(r["check"] in ("ok", "bytes only") for r in ok)
+                          else next(r["check"] for r in ok
+                                    if r["check"] not in ("ok", "bytes only"))),
+                   caches_kept=any(r["caches_kept"] for r in ok))
+        gpus = [r["gpu"] for r in ok if r.get("gpu")]
+        if gpus:
+            row["gpu_extra"] = max(g["extra"] for g in gpus)
+        phx = [r["phx"] for r in ok if r.get("phx")]
+        if phx:
+            row["held_peak"] = max(x["peak_held_bytes"] for x in phx)
+            row["buffered_files"] = max(x["buffered_files"] for x in phx)
+            row["files"] = phx[0]["files"]
+    if len(ok) < len(rs):
+        row["error"] = next(r["error"] for r in rs if "error" in r)
+    return row
+
+
 def _rows_for(where: str, d: str, methods, device, args, ref, bar) -> list[dict[str, Any]]:
-    rows = []
     threads = [int(x) for x in args.raw_threads.split(",") if x]
-    runs: list[tuple[str, int]] = []
+    runs: list[tuple[str, int, str]] = []
     for m in methods:
-        runs += [(m, t) for t in threads] if m == "raw" else [(m, 0)]
-    results: dict[tuple[str, int], list[dict[str, Any]]] = {r: [] for r in runs}
+        runs += [(m, t, "cold") for t in threads] if m == "raw" else [(m, 0, "cold")]
+    runs += [(m, 0, "warm") for m in _warm_methods(args.warm, methods)]
+    results: dict[tuple[str, int, str], list[dict[str, Any]]] = {r: [] for r in runs}
     for _ in range(args.repeat):
         order = list(runs)
         random.shuffle(order)          # no method always follows another
-        for m, t in order:
-            warm = not drop_caches()
+        for m, t, cache in order:
+            kept = not drop_caches()
+            if cache == "warm":
+                read_once(d)
             r = _spawn(m, d, device, t or 16, args.timeout, 1 if m == "raw" else args.tp)
-            r["warm"] = warm
+            r["caches_kept"] = kept
             if "error" not in r and r.get("digests") is not None:
                 r["check"] = compare(ref, r.pop("digests"))
             elif "error" not in r:
                 r.pop("digests", None)
                 r["check"] = "bytes only" if r["bytes"] == sum(
                     os.path.getsize(p) for p in _shards(d)) else "short"
-            results[(m, t)].append(r)
+            results[(m, t, cache)].append(r)
             bar.update(1)
-    for (m, t), rs in results.items():
-        ok = [r for r in rs if "error" not in r]
-        row: dict[str, Any] = {"where": where, "method": m if m != "raw" else f"raw ({t}t)",
-                               "runs": rs}
-        if ok:
-            secs, spread = median_spread([r["seconds"] for r in ok])
-            row.update(seconds=secs, spread=spread, bytes=ok[0]["bytes"],
-                       gbps=ok[0]["bytes"] / secs / 1e9,
-                       cpu_s=median_spread([r["cpu_s"] for r in ok])[0],
-                       peak_rss=max(r["peak_rss"] for r in ok),
-                       extra_rss=max(r["extra_rss"] for r in ok),
-                       check=("ok" if all(r["check"] in ("ok", "bytes only") for r in ok)
-                              else next(r["check"] for r in ok
-                                        if r["check"] not in ("ok", "bytes only"))),
-                       warm=any(r["warm"] for r in ok))
-        if len(ok) < len(rs):
-            row["error"] = next(r["error"] for r in rs if "error" in r)
-        rows.append(row)
+    rows = [_row(where, m, t, cache, rs) for (m, t, cache), rs in results.items()]
     best_raw = max((r for r in rows if r["method"].startswith("raw") and "gbps" in r),
                    key=lambda r: r["gbps"], default=None)
     for r in rows:
@@ -513,31 +601,46 @@ def _rows_for(where: str, d: str, methods, device, args, ref, bar) -> list[dict[
     return rows
 
 
+def _mib(x) -> float:
+    return float("nan") if x is None else x / MiB
+
+
 def _print(rows, device) -> None:
     print(fmt_table(
-        ["where", "method", "s", "GB/s", "spread", "x raw", "CPU s", "peak RSS MiB",
-         "extra RSS MiB", "check"],
-        [[r["where"], r["method"], r.get("seconds", float("nan")), r.get("gbps", float("nan")),
-          f"{r.get('spread', 0) * 100:.0f}%", r.get("vs_raw", float("nan")),
-          r.get("cpu_s", float("nan")), (r.get("peak_rss") or 0) / MiB,
-          (r.get("extra_rss") or 0) / MiB,
-          r.get("check", r.get("error", "?")) + (" (warm)" if r.get("warm") else "")]
+        ["where", "method", "cache", "s", "GB/s", "spread", "x raw", "CPU s", "peak RSS MiB",
+         "extra RSS MiB", "extra GPU MiB", "held MiB", "check"],
+        [[r["where"], r["method"], r["cache"], r.get("seconds", float("nan")),
+          r.get("gbps", float("nan")), f"{r.get('spread', 0) * 100:.0f}%",
+          r.get("vs_raw", float("nan")), r.get("cpu_s", float("nan")),
+          (r.get("peak_rss") or 0) / MiB, (r.get("extra_rss") or 0) / MiB,
+          _mib(r.get("gpu_extra")), _mib(r.get("held_peak")),
+          r.get("check", r.get("error", "?")) + (" (caches not dropped)"
+                                                 if r.get("caches_kept") else "")]
          for r in rows]))
     for where in dict.fromkeys(r["where"] for r in rows):
-        by = {r["method"]: r for r in rows if r["where"] == where and "gbps" in r}
-        if "phx" not in by:
-            continue
-        raws = [r for m, r in by.items() if m.startswith("raw")]
-        for ours in ("phx", "phx-warm"):
-            if ours not in by:
+        by = {(r["method"], r["cache"]): r for r in rows if r["where"] == where and "gbps" in r}
+        raws = [r for (m, c), r in by.items() if m.startswith("raw")]
+        for ours in ("phx", "phx-prepared", "phx-iter"):
+            if (ours, "cold") not in by:
                 continue
+            mine = by[(ours, "cold")]
             line = [f"{where}: {ours}"]
             if raws:
-                line.append(f"{by[ours]['gbps'] / max(r['gbps'] for r in raws):.2f}x raw")
+                line.append(f"{mine['gbps'] / max(r['gbps'] for r in raws):.2f}x raw")
             for m in ("fst-nogds", "st", "st-cpu"):
-                if m in by:
-                    line.append(f"{by[ours]['gbps'] / by[m]['gbps']:.2f}x {m}")
+                if (m, "cold") in by:
+                    line.append(f"{mine['gbps'] / by[(m, 'cold')]['gbps']:.2f}x {m}")
             print(", ".join(line) + f" (to {device})")
+        warm = {m: r for (m, c), r in by.items() if c == "warm"}
+        if "phx" in warm:
+            line = [f"{where} warm: phx {warm['phx']['gbps']:.2f} GB/s"]
+            if ("phx", "cold") in by:
+                line.append(f"{warm['phx']['gbps'] / by[('phx', 'cold')]['gbps']:.2f}x phx cold")
+            for m, r in warm.items():
+                if m != "phx":
+                    line.append(f"{warm['phx']['gbps'] / r['gbps']:.2f}x {m} warm")
+            print(", ".join(line) + f"; {warm['phx'].get('buffered_files', 0)} of "
+                  f"{warm['phx'].get('files', 0)} files read from the page cache")
 
 
 def run(args) -> int:
@@ -566,6 +669,7 @@ def run(args) -> int:
         _check_tp(ckpt, args.tp)
         ref = tp_reference(ckpt, args.tp)
     nrows = sum(len(args.raw_threads.split(",")) if m == "raw" else 1 for m in methods)
+    nrows += len(_warm_methods(args.warm, methods))
     rows: list[dict[str, Any]] = []
 
     def report() -> None:

@@ -342,6 +342,9 @@ def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
             if bar is not None:
                 bar.update(job.read_bytes)
             yield from outs
+            # the consumer has them now: do not keep this job's memory alive
+            # while the next reads are submitted
+            outs = None
     finally:
         for *_, handle in pending:
             if handle is not None:
