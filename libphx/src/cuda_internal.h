@@ -178,9 +178,24 @@ typedef struct phx_cuda phx_cuda;
 struct cu_req;
 struct cu_lane;
 
+/*
+ * Where a stream round's piece is (struct cu_piece.pstate): stream rounds
+ * share buffers (several pieces, of one op or of several), and each goes
+ * its own way.
+ */
+enum piece_state {
+	P_IO,		/* file I/O in flight, or about to be */
+	P_HELD,		/* an early read, read: waiting for its request's verdict */
+	P_GPU,		/* waiting for its kernel on the caller's stream */
+	P_BACK,		/* handed back to its lane: file I/O next (a write, a re-read) */
+	P_DONE,		/* let go of: its bytes are no longer needed */
+};
+
 /* A part of one request that fits one staging buffer. */
 struct cu_piece {
 	struct cu_req *rq;
+	struct cu_sbuf *b;		/* the buffer it is in */
+	struct cu_round *round;		/* a stream op's round, or NULL (host-async) */
 	uint64_t io_off;		/* the file operation */
 	uint32_t io_len;
 	uint32_t soff;			/* staging offset of io_off */
@@ -188,16 +203,17 @@ struct cu_piece {
 	uint32_t user_len;
 	uint32_t got;			/* of those, delivered */
 	bool io_started;		/* pio was submitted */
+	bool early;			/* an early read's (c->lock) */
+	uint8_t pstate;			/* enum piece_state (stream rounds; c->lock) */
 	struct phx_io pio;
 };
 
 enum sb_state {
 	SB_FREE,
-	SB_IO,		/* file I/O in flight (read: first; write: last) */
+	SB_IO,		/* host-async: file I/O in flight (read: first; write: last) */
 	SB_COPY,	/* host-async: queued for or in the copier */
-	SB_GPU,		/* stream round: waiting for its kernel on the caller's stream */
-	SB_HELD,	/* early round read: waiting for its request to be judged */
-	SB_BACK,	/* handed back to the lane (on its inbox): file write next */
+	SB_BACK,	/* host-async write: back from the copier, file write next */
+	SB_STREAM,	/* stream rounds: each piece has its own state (pstate) */
 };
 
 /* Who holds a buffer (struct phx_cuda.cls_held); see the top of this file. */
@@ -216,9 +232,9 @@ struct cu_sbuf {
 	uint8_t state;			/* enum sb_state (c->lock for hand-overs) */
 	uint8_t op;
 	uint8_t cls;			/* enum sb_class */
-	bool early;			/* an early read's round (c->lock) */
+	bool in_inbox;			/* on its lane's inbox (c->lock) */
 	uint32_t fill, npieces, ios_left;
-	struct cu_round *round;		/* a stream op's round: its one piece */
+	uint32_t live;			/* stream rounds not P_DONE (c->lock) */
 	struct cu_sbuf *next;		/* lane inbox / copier queue (c->lock) */
 	/* the copier's */
 	CUevent ev;			/* recorded after the copies */
@@ -267,7 +283,10 @@ void waker_kick(int efd);
 /* Any thread: wake up to @want lanes sleeping with a free buffer / every lane. */
 void lanes_wake(phx_cuda *c, uint32_t want);
 void lanes_kick(phx_cuda *c);
-/* Hand @b back to its lane (c->lock held): it starts the buffer's file I/O. */
+/*
+ * Hand @b back to its lane (c->lock held): it starts the file I/O of the
+ * buffer (host-async) or of its P_BACK pieces (stream rounds).
+ */
 void lane_give_back_locked(phx_cuda *c, struct cu_sbuf *b);
 /* Queue @b for the copier (c->lock held); it is kicked. */
 void copier_push_locked(phx_cuda *c, struct cu_sbuf *b);
@@ -316,7 +335,7 @@ enum early_state {
 /* One staging round of a stream op (cuda_stream.c). */
 struct cu_round {
 	struct cu_req *rq;
-	struct cu_sbuf *b;		/* its staging buffer, or NULL (no bytes) */
+	struct cu_piece *p;		/* its piece of a staging buffer, or NULL (no bytes) */
 	uint32_t index;
 	bool ready;			/* staged (read) / reserved (write) (c->lock) */
 	bool written;			/* a write round's bytes are in the file */
@@ -400,7 +419,7 @@ void rq_live_inc(phx_cuda *c);
 void rq_write_register(struct cu_req *rq, uint64_t off, uint64_t len);
 /* Pieces */
 bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
-	    bool first);
+	    uint32_t max_len, bool first);
 void rq_piece_io(struct cu_piece *p);
 void rq_piece_account(struct cu_req *rq, struct cu_piece *p);
 void rq_piece_done(struct cu_piece *p);
@@ -429,17 +448,16 @@ int st_submit(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f, uint
 void st_arrived(struct cu_req *rq);
 /* Round @k's kernel ran (the done word passed it). */
 void st_kernel_done(struct cu_req *rq, uint32_t k);
-/* A round was handed to a buffer, or its file I/O ended. */
-void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b);
-void st_round_staged(struct cu_round *r, struct cu_piece *p);
+/* A round was cut into piece @p of buffer @b, or its file I/O ended. */
+void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b, struct cu_piece *p);
+void st_round_staged(struct cu_round *r);
 void st_round_reserved(struct cu_round *r);
-void st_round_written(struct cu_round *r, struct cu_piece *p);
+void st_round_written(struct cu_round *r);
 void st_cut_done_locked(struct cu_req *rq);
 void st_advance(struct cu_req *rq);
 /* Early reads */
 bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b);
-int st_early_round(struct cu_sbuf *b);		/* a lane: an early round is read */
-void st_early_release(struct cu_sbuf *b);
+int st_early_round(struct cu_piece *p);		/* a lane: an early round is read */
 /* No kernel of @rq runs any more (a dead context, an orphan): end it now, with @err. */
 void st_kill(struct cu_req *rq, int err);
 /* The stream is past the whole op: counters, trace, the GPU program's reference. */

@@ -15,11 +15,15 @@
  * caller's stream.
  *
  * One buffer, by what it carries:
- *   stream read round    file read -> st_round_staged (the kernel copies; the
- *                        poller frees the buffer when its done word passes)
- *   early round          file read -> held until the verdict (cuda_stream.c)
- *   stream write round   st_round_reserved (the kernel fills it; the poller
+ *   stream rounds        pieces of stream ops (one round each, of one op or
+ *                        of several, packed), each on its own way (pstate):
+ *     read               file read -> st_round_staged (the kernel copies;
+ *                        the poller lets the piece go when its done word
+ *                        passes)
+ *     early read         file read -> held until the verdict (cuda_stream.c)
+ *     write              st_round_reserved (the kernel fills it; the poller
  *                        hands it back) -> file write -> st_round_written
+ *                        the buffer is free once every piece is let go of
  *   host-async read      pieces packed (rq_cut) -> file reads in one
  *                        submission -> the copier -> free
  *   host-async write     pieces packed -> the copier (from the GPU) -> back
@@ -84,37 +88,50 @@ static void sleeper_remove_locked(phx_cuda *c, struct cu_lane *ln)
 }
 
 /*
- * One round of the arrived stream op at the head of its queue into @b
- * (c->lock held).  *@cut is set to the request when its last round was
- * handed out: the caller drops its cutting reference and advances it.
+ * Rounds of the arrived stream ops at the head of their queue, packed into
+ * @b, all of one op kind (c->lock held).  Requests whose last round went in
+ * (or that failed: they hand out no more) are taken off the queue and
+ * listed in @cut[*@ncut]: the caller advances them and drops their cutting
+ * references.
  */
-static bool take_stream_locked(phx_cuda *c, struct cu_sbuf *b, struct cu_req **cut)
+static bool take_stream_locked(phx_cuda *c, struct cu_sbuf *b, struct cu_req **cut,
+			       uint32_t *ncut)
 {
-	struct cu_req *rq = ready_head_locked(c, true);
-	bool failed;
+	struct cu_req *rq;
 
-	*cut = NULL;
-	if (!rq)
-		return false;
-	b->op = rq->op;
-	b->fill = 0;
+	*ncut = 0;
 	b->npieces = 0;
-	failed = __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE) != 0;
-	if (!failed) {
-		if (!rq_cut(rq, &b->pieces[0], &b->fill, rq->round_bytes, true))
-			return false;
-		st_round_take_locked(rq, b);
-		b->npieces = 1;
-		cls_take_locked(c, b, SBC_STREAM);
-	}
-	if (failed || rq->cursor >= rq->end) {
+	b->fill = 0;
+	while ((rq = ready_head_locked(c, true)) && b->npieces < CU_MAX_PIECES &&
+	       *ncut < CU_MAX_PIECES) {
+		if (b->npieces && rq->op != b->op)
+			break;
+		b->op = rq->op;
+		/* rq_cut() cuts whole rounds, so none runs past those planned: were
+		 * one to, the op fails rather than write past its rounds */
+		if (rq->round_next >= rq->nrounds && rq->cursor < rq->end)
+			rq_fail(rq, cu_err(-EIO, "internal: more staging rounds than planned"));
+		if (!__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
+			struct cu_piece *p = &b->pieces[b->npieces];
+
+			if (!rq_cut(rq, p, &b->fill, c->cfg.buf_size, rq->round_bytes, !b->npieces))
+				break;
+			st_round_take_locked(rq, b, p);
+			b->npieces++;
+			if (rq->cursor < rq->end)
+				continue;
+		}
 		/* every byte handed out (a failed op hands out no more) */
 		ready_pop_locked(c, true);
 		rq->state = RQ_CUT;
 		st_cut_done_locked(rq);
-		*cut = rq;
+		cut[(*ncut)++] = rq;
 	}
-	return b->npieces > 0;
+	if (!b->npieces)
+		return false;
+	b->state = SB_STREAM;
+	cls_take_locked(c, b, SBC_STREAM);
+	return true;
 }
 
 /*
@@ -133,8 +150,9 @@ static bool take_host_locked(phx_cuda *c, struct cu_sbuf *b)
 	b->npieces = 0;
 	while (rq && rq->op == b->op && b->npieces < CU_MAX_PIECES) {
 		if (!rq_cut(rq, &b->pieces[b->npieces], &b->fill, c->cfg.buf_size,
-			    b->npieces == 0))
+			    c->cfg.buf_size, b->npieces == 0))
 			break;
+		b->pieces[b->npieces].b = b;
 		b->npieces++;
 		if (rq->cursor < rq->end)
 			continue;
@@ -146,6 +164,7 @@ static bool take_host_locked(phx_cuda *c, struct cu_sbuf *b)
 	}
 	if (!b->npieces)
 		return false;
+	b->state = SB_IO;
 	cls_take_locked(c, b, SBC_HOST);
 	return true;
 }
@@ -158,33 +177,32 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 {
 	phx_cuda *c = ln->c;
 	struct cu_sbuf *b = free_buf(ln);
-	struct cu_req *cut;
+	struct cu_req *cut[CU_MAX_PIECES];
+	uint32_t ncut, i;
 	bool got;
 
 	if (!b)
 		return NULL;
 	for (;;) {
 		pthread_mutex_lock(&c->lock);
-		b->round = NULL;
-		b->early = false;
-		got = take_stream_locked(c, b, &cut) || take_host_locked(c, b) ||
-		      st_early_take_locked(c, b);
-		if (got) {
+		b->live = 0;
+		got = take_stream_locked(c, b, cut, &ncut);
+		if (!got && !ncut)
+			got = take_host_locked(c, b) || st_early_take_locked(c, b);
+		if (got)
 			sleeper_remove_locked(c, ln);
-			b->state = SB_IO;
-		} else if (!cut) {
+		else if (!ncut)
 			sleeper_add_locked(c, ln);
-		}
 		pthread_mutex_unlock(&c->lock);
-		if (cut) {
-			st_advance(cut);
-			rq_ref_drop(cut, 1);	/* the cutting reference */
+		for (i = 0; i < ncut; i++) {
+			st_advance(cut[i]);
+			rq_ref_drop(cut[i], 1);	/* the cutting reference */
 		}
 		if (got)
 			break;
-		if (!cut)
+		if (!ncut)
 			return NULL;
-		/* a failed op was taken off the queue with nothing cut: look again */
+		/* failed ops were taken off the queue with nothing cut: look again */
 	}
 	stat_add(c, &c->st.staging_fills, 1);
 	stat_add(c, &c->st.chunks, b->npieces);
@@ -213,53 +231,86 @@ static phx_file *lane_file(struct cu_lane *ln, struct cu_file *cf, int *err)
 }
 
 static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b);
+static void piece_io_done(struct cu_lane *ln, struct cu_piece *p);
 
 /*
- * Submit the file I/O of every piece of @b whose request is still healthy
- * (a write of a failed request writes nothing: its staging may hold
- * nothing of the caller's).
+ * Submit the file I/O of @n pieces (of one buffer) whose requests are still
+ * healthy (a write of a failed request writes nothing: its staging may hold
+ * nothing of the caller's).  Host-async buffers count their I/O and end as
+ * a whole (buf_io_done); a stream round's piece ends on its own
+ * (piece_io_done), as soon as its I/O does.
  */
-static void buf_start_io(struct cu_lane *ln, struct cu_sbuf *b)
+static void pieces_start_io(struct cu_lane *ln, struct cu_sbuf *b, struct cu_piece **ps,
+			    uint32_t n)
 {
 	struct phx_io *ios[CU_MAX_PIECES];
-	uint32_t i, n = 0;
+	struct cu_piece *idle[CU_MAX_PIECES];
+	bool stream = b->state == SB_STREAM;
+	uint32_t i, k = 0, nidle = 0;
 	int ret, err = 0;
 
-	for (i = 0; i < b->npieces; i++) {
-		struct cu_piece *p = &b->pieces[i];
+	for (i = 0; i < n; i++) {
+		struct cu_piece *p = ps[i];
 		struct cu_req *rq = p->rq;
 		phx_file *lf;
 
 		p->io_started = false;
-		if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE))
+		if (__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
+			idle[nidle++] = p;
 			continue;
+		}
 		lf = lane_file(ln, rq->cf, &err);
 		if (!lf) {
-			if (!b->early)	/* an early read tries again in order */
+			if (!p->early)	/* an early read tries again in order */
 				rq_fail(rq, err);
+			idle[nidle++] = p;
 			continue;
 		}
 		phx_io_prep(&p->pio, lf, b->op, b->mem + p->soff, p->io_len, p->io_off);
-		p->pio.user_data = b;
+		p->pio.user_data = p;
 		p->io_started = true;
-		ios[n++] = &p->pio;
+		ios[k++] = &p->pio;
 	}
-	b->state = SB_IO;
-	b->ios_left = n;
-	if (n) {
-		ret = phx_submit(ln->eng, ios, n);
+	if (!stream) {
+		b->state = SB_IO;
+		b->ios_left = k;
+	}
+	if (k) {
+		ret = phx_submit(ln->eng, ios, k);
 		if (ret) {
-			for (i = 0; i < n && !b->early; i++)
-				rq_fail(((struct cu_piece *)((char *)ios[i] -
-					 offsetof(struct cu_piece, pio)))->rq,
-					cu_err(ret, "lane %u: %s", ln->index, phx_strerror_last()));
-			for (i = 0; i < b->npieces; i++)
-				b->pieces[i].io_started = false;
-			b->ios_left = 0;
+			for (i = 0; i < k; i++) {
+				struct cu_piece *p = (struct cu_piece *)((char *)ios[i] -
+						      offsetof(struct cu_piece, pio));
+
+				if (!p->early)
+					rq_fail(p->rq, cu_err(ret, "lane %u: %s", ln->index,
+							      phx_strerror_last()));
+				p->io_started = false;
+				idle[nidle++] = p;
+			}
+			k = 0;
+			if (!stream)
+				b->ios_left = 0;
 		}
 	}
-	if (!b->ios_left)
-		buf_io_done(ln, b);
+	if (!stream) {
+		if (!b->ios_left)
+			buf_io_done(ln, b);
+		return;
+	}
+	for (i = 0; i < nidle; i++)
+		piece_io_done(ln, idle[i]);
+}
+
+/* Every piece of a buffer just taken. */
+static void buf_start_io(struct cu_lane *ln, struct cu_sbuf *b)
+{
+	struct cu_piece *ps[CU_MAX_PIECES];
+	uint32_t i;
+
+	for (i = 0; i < b->npieces; i++)
+		ps[i] = &b->pieces[i];
+	pieces_start_io(ln, b, ps, b->npieces);
 }
 
 /*
@@ -288,10 +339,13 @@ static bool lane_reap(struct cu_lane *ln)
 	for (;;) {
 		n = phx_poll(ln->eng, done, 64);
 		for (i = 0; i < n; i++) {
-			struct cu_sbuf *b = done[i]->user_data;
+			struct cu_piece *p = done[i]->user_data;
+			struct cu_sbuf *b = p->b;
 
 			any = true;
-			if (--b->ios_left == 0)
+			if (b->state == SB_STREAM)
+				piece_io_done(ln, p);
+			else if (--b->ios_left == 0)
 				buf_io_done(ln, b);
 		}
 		if (n == 64)
@@ -343,20 +397,24 @@ static void host_read_done(struct cu_lane *ln, struct cu_sbuf *b)
 	pthread_mutex_unlock(&c->lock);
 }
 
-/* The file I/O of every piece of @b is over. */
+/* The file I/O of a stream round's piece is over. */
+static void piece_io_done(struct cu_lane *ln, struct cu_piece *p)
+{
+	struct cu_piece *again = p;
+
+	if (p->b->op == PHX_OP_WRITE)
+		st_round_written(p->round);
+	else if (!p->early)
+		st_round_staged(p->round);
+	else if (st_early_round(p))
+		pieces_start_io(ln, p->b, &again, 1);	/* short or failed early: again, in order */
+}
+
+/* The file I/O of every piece of a host-async buffer is over. */
 static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	uint32_t i;
 
-	if (b->round) {
-		if (b->op == PHX_OP_WRITE)
-			st_round_written(b->round, &b->pieces[0]);
-		else if (!b->early)
-			st_round_staged(b->round, &b->pieces[0]);
-		else if (st_early_round(b))
-			buf_start_io(ln, b);	/* short or failed early: again, in order */
-		return;
-	}
 	if (b->op == PHX_OP_READ) {
 		host_read_done(ln, b);
 		return;
@@ -370,11 +428,17 @@ static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 static void buf_start(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	phx_cuda *c = ln->c;
+	struct cu_round *rs[CU_MAX_PIECES];
+	uint32_t i, n = b->npieces;
 
 	if (b->op == PHX_OP_READ) {
 		buf_start_io(ln, b);
-	} else if (b->round) {
-		st_round_reserved(b->round);	/* the kernel on the caller's stream fills it */
+	} else if (b->state == SB_STREAM) {
+		/* the kernels on the callers' streams fill them */
+		for (i = 0; i < n; i++)
+			rs[i] = b->pieces[i].round;
+		for (i = 0; i < n; i++)
+			st_round_reserved(rs[i]);
 	} else {
 		pthread_mutex_lock(&c->lock);
 		copier_push_locked(c, b);
@@ -383,13 +447,16 @@ static void buf_start(struct cu_lane *ln, struct cu_sbuf *b)
 }
 
 /*
- * Buffers the other threads handed back: file writes whose bytes are in
- * staging now, and early reads that must be read again.
+ * Buffers the other threads handed back: host-async writes whose bytes are
+ * in staging now (the whole buffer), and stream rounds' pieces marked
+ * P_BACK (a write whose kernel ran, an early read that must be read again).
  */
 static bool lane_inbox(struct cu_lane *ln)
 {
 	phx_cuda *c = ln->c;
 	struct cu_sbuf *b, *next;
+	struct cu_piece *ps[CU_MAX_PIECES];
+	uint32_t i, n;
 
 	pthread_mutex_lock(&c->lock);
 	b = ln->inbox;
@@ -398,9 +465,24 @@ static bool lane_inbox(struct cu_lane *ln)
 	if (!b)
 		return false;
 	for (; b; b = next) {
+		pthread_mutex_lock(&c->lock);
 		next = b->next;
 		b->next = NULL;
-		buf_start_io(ln, b);
+		b->in_inbox = false;
+		n = 0;
+		if (b->state == SB_STREAM) {
+			for (i = 0; i < b->npieces; i++) {
+				if (b->pieces[i].pstate == P_BACK) {
+					b->pieces[i].pstate = P_IO;
+					ps[n++] = &b->pieces[i];
+				}
+			}
+		}
+		pthread_mutex_unlock(&c->lock);
+		if (b->state == SB_STREAM)
+			pieces_start_io(ln, b, ps, n);
+		else
+			buf_start_io(ln, b);
 	}
 	return true;
 }

@@ -63,11 +63,19 @@ void lanes_kick(phx_cuda *c)
 		waker_kick(c->lanes[i].efd);
 }
 
-/* Hand @b back to its lane, which starts its file write (c->lock held). */
+/*
+ * Hand @b back to its lane, which starts the buffer's file write (a
+ * host-async write back from the copier) or the file I/O of its P_BACK
+ * pieces (stream rounds) (c->lock held).
+ */
 void lane_give_back_locked(phx_cuda *c, struct cu_sbuf *b)
 {
 	(void)c;
-	b->state = SB_BACK;
+	if (b->state != SB_STREAM)
+		b->state = SB_BACK;
+	if (b->in_inbox)
+		return;
+	b->in_inbox = true;
 	b->next = b->ln->inbox;
 	b->ln->inbox = b;
 	waker_kick(b->ln->efd);

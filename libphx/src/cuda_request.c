@@ -377,23 +377,31 @@ int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
  * window around their bytes into staging, so unaligned offsets and sizes
  * cost nothing; writes place their bytes at the file offset's position in
  * the block (memory congruent with the file), so only a sub-block head and
- * tail take the engine's read-modify-write path.  A piece that would be cut
- * short by a nearly full buffer waits for an empty one instead (@first).
+ * tail take the engine's read-modify-write path.  A piece is at most
+ * @max_len bytes (a stream op's round).  A piece that would be cut short by
+ * a nearly full buffer waits for an empty one instead (@first).
  */
 bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size,
-	    bool first)
+	    uint32_t max_len, bool first)
 {
 	uint64_t A = rq->cf->align, cur = rq->cursor, left = rq->end - cur;
 	uint64_t g = A > 4096 ? A : 4096;	/* staging position granule */
-	uint64_t pos = (*fill + g - 1) / g * g, len;
+	uint64_t pos = (*fill + g - 1) / g * g, len, full;
+	/*
+	 * A stream op's round is whole or not at all: its rounds were counted
+	 * when it was queued, at max_len apart from the aligned start of its
+	 * range, and a round cut short by a full buffer would need one more.
+	 */
+	bool whole = rq->stream_op;
 
 	if (pos >= size)
 		return false;
 	if (rq->op == PHX_OP_READ) {
 		uint64_t w0 = align_down(cur, A), wend = align_up(rq->end, A);
 
-		len = min_u64(wend - w0, align_down(size - pos, A));
-		if (!len)
+		full = min_u64(wend - w0, align_down(max_len, A));
+		len = min_u64(full, align_down(size - pos, A));
+		if (!len || (whole && len < full))
 			return false;
 		p->io_off = w0;
 		p->io_len = (uint32_t)len;
@@ -402,14 +410,20 @@ bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size
 		pos += cur % A;
 		if (pos >= size)
 			return false;
-		len = min_u64(left, size - pos);
+		full = whole ? min_u64(left, max_len - (cur - align_down(rq->off, A)) % max_len) :
+			       min_u64(left, max_len);
+		len = min_u64(full, size - pos);
+		if (whole && len < full)
+			return false;
 		p->io_off = cur;
 		p->io_len = (uint32_t)len;
 		p->user_len = (uint32_t)len;
 	}
-	if (!first && p->user_len < left && len < size / 4)
+	if (!whole && !first && p->user_len < left && len < min_u64(size, max_len) / 4)
 		return false;
 	p->rq = rq;
+	p->round = NULL;
+	p->early = false;
 	p->soff = (uint32_t)pos;
 	p->user_off = cur;
 	p->got = 0;

@@ -119,7 +119,7 @@ static uint64_t rounds_needed(uint32_t op, uint64_t off, uint64_t len, uint32_t 
  * a whole op alone was a third slower than eight writers on the H200's
  * zram (its writes complete in the writing thread).
  */
-static uint32_t round_bytes(const phx_cuda *c, uint32_t op, uint64_t len)
+static uint32_t round_bytes(const phx_cuda *c, uint32_t op, uint64_t len, uint32_t align)
 {
 	uint64_t r = c->cfg.buf_size;
 
@@ -127,6 +127,7 @@ static uint32_t round_bytes(const phx_cuda *c, uint32_t op, uint64_t len)
 		r = align_up((len + c->nlanes - 1) / c->nlanes, 65536);
 		if (r < (256u << 10))
 			r = 256u << 10;
+		r = align_up(r, align);
 		if (r > c->cfg.buf_size)
 			r = c->cfg.buf_size;
 	}
@@ -183,13 +184,21 @@ static bool file_stamp(const struct cu_file *cf, int64_t *size, int64_t *ctime_n
 /* Rounds                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* Round @rq->round_next goes into @b (c->lock held); it holds a reference. */
-void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b)
+/*
+ * Round @rq->round_next is cut into piece @p of buffer @b (c->lock held):
+ * it holds a reference, and the buffer one more live piece.  Several rounds,
+ * of one op or of several, may share a buffer: a 1 MiB op takes a quarter
+ * of a 4 MiB buffer, not all of it.
+ */
+void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b, struct cu_piece *p)
 {
 	struct cu_round *r = &rq->rounds[rq->round_next++];
 
-	r->b = b;
-	b->round = r;
+	r->p = p;
+	p->b = b;
+	p->round = r;
+	p->pstate = P_IO;
+	b->live++;
 	__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
 }
 
@@ -200,7 +209,7 @@ void st_cut_done_locked(struct cu_req *rq)
 
 	rq->needed = rq->round_next;
 	for (k = rq->round_next; k < rq->nrounds; k++) {
-		rq->rounds[k].b = NULL;
+		rq->rounds[k].p = NULL;
 		rq->rounds[k].ready = true;
 	}
 	rq->round_next = rq->nrounds;
@@ -217,25 +226,23 @@ static void desc_write_locked(struct cu_req *rq, uint32_t k)
 	phx_cuda *c = rq->c;
 	struct cu_round *r = &rq->rounds[k];
 	struct cu_copy_desc *d = slot_desc(c, rq->slot, k);
-	struct cu_sbuf *b = r->b;
+	struct cu_piece *p = r->p;
 	bool bad = __atomic_load_n(&rq->err, __ATOMIC_ACQUIRE) != 0;
-	struct cu_piece *p;
 
 	d->src = d->dst = d->len = 0;
-	if (!b || bad)
+	if (!p || bad)
 		return;
-	p = &b->pieces[0];
 	if (rq->op == PHX_OP_READ) {
 		uint64_t se = __atomic_load_n(&rq->short_end, __ATOMIC_ACQUIRE);
 		uint64_t end = min_u64(p->user_off + p->got, se);
 
-		d->src = b->mem_d + p->soff + (p->user_off - p->io_off);
+		d->src = p->b->mem_d + p->soff + (p->user_off - p->io_off);
 		d->dst = rq->devptr + (p->user_off - rq->off);
 		d->len = end > p->user_off ? end - p->user_off : 0;
 		c->st.h2d_bytes += d->len;
 	} else {
 		d->src = rq->devptr + (p->user_off - rq->off);
-		d->dst = b->mem_d + p->soff;
+		d->dst = p->b->mem_d + p->soff;
 		d->len = p->user_len;
 		c->st.d2h_bytes += d->len;
 	}
@@ -289,27 +296,46 @@ void st_advance(struct cu_req *rq)
 	pthread_mutex_unlock(&c->lock);
 }
 
-/* Give a round's buffer back to its lane (c->lock held); the caller drops the round's reference. */
+/*
+ * A round lets go of its piece (c->lock held); the caller drops the round's
+ * reference.  The buffer is free once its last live piece goes.
+ */
 static void round_unbuffer_locked(phx_cuda *c, struct cu_round *r)
 {
-	struct cu_sbuf *b = r->b;
+	struct cu_piece *p = r->p;
+	struct cu_sbuf *b;
 
-	if (!b)
+	if (!p)
 		return;
-	r->b = NULL;
-	b->round = NULL;
+	b = p->b;
+	r->p = NULL;
+	p->round = NULL;
+	p->pstate = P_DONE;
+	if (p->early) {
+		p->early = false;
+		r->rq->e_live--;
+	}
+	if (--b->live)
+		return;
 	b->npieces = 0;
-	b->early = false;
 	b->state = SB_FREE;
 	cls_drop_locked(c, b);
 	waker_kick(b->ln->efd);
 }
 
+/* A piece's next file I/O is its lane's (c->lock held): a write, or a read again. */
+static void piece_back_locked(phx_cuda *c, struct cu_piece *p)
+{
+	p->pstate = P_BACK;
+	lane_give_back_locked(c, p->b);
+}
+
 /* A read round's file I/O is over (or an early one stands): its bytes may go. */
-void st_round_staged(struct cu_round *r, struct cu_piece *p)
+void st_round_staged(struct cu_round *r)
 {
 	struct cu_req *rq = r->rq;
 	phx_cuda *c = rq->c;
+	struct cu_piece *p = r->p;
 	bool last;
 
 	rq_piece_io(p);
@@ -317,13 +343,13 @@ void st_round_staged(struct cu_round *r, struct cu_piece *p)
 	pthread_mutex_lock(&c->lock);
 	r->ready = true;
 	if (rq->gpu_gone) {
-		/* no kernel of it will run any more (st_kill): nothing waits for the buffer */
+		/* no kernel of it will run any more (st_kill): nothing waits for the piece */
 		round_unbuffer_locked(c, r);
 		pthread_mutex_unlock(&c->lock);
 		rq_ref_drop(rq, 1);
 		return;
 	}
-	r->b->state = SB_GPU;
+	p->pstate = P_GPU;
 	last = rq->state == RQ_CUT;
 	pthread_mutex_unlock(&c->lock);
 	if (last)
@@ -331,7 +357,7 @@ void st_round_staged(struct cu_round *r, struct cu_piece *p)
 	st_advance(rq);
 }
 
-/* A write round's buffer is reserved: the kernel may fill it. */
+/* A write round's piece is reserved: the kernel may fill it. */
 void st_round_reserved(struct cu_round *r)
 {
 	struct cu_req *rq = r->rq;
@@ -345,19 +371,19 @@ void st_round_reserved(struct cu_round *r)
 		rq_ref_drop(rq, 1);
 		return;
 	}
-	r->b->state = SB_GPU;
+	r->p->pstate = P_GPU;
 	pthread_mutex_unlock(&c->lock);
 	st_advance(rq);
 }
 
 /* A write round's bytes are in the file (or were not written: the request failed). */
-void st_round_written(struct cu_round *r, struct cu_piece *p)
+void st_round_written(struct cu_round *r)
 {
 	struct cu_req *rq = r->rq;
 	phx_cuda *c = rq->c;
 
-	rq_piece_io(p);
-	rq_piece_account(rq, p);
+	rq_piece_io(r->p);
+	rq_piece_account(rq, r->p);
 	pthread_mutex_lock(&c->lock);
 	r->written = true;
 	rq->written++;
@@ -368,8 +394,9 @@ void st_round_written(struct cu_round *r, struct cu_piece *p)
 }
 
 /*
- * Round @k's kernel ran (the poller saw its done word): a read's buffer is
- * free; a write's holds the bytes for the file, and goes back to its lane.
+ * Round @k's kernel ran (the poller saw its done word): a read's piece is
+ * let go of; a write's holds the bytes for the file, and goes back to its
+ * lane.
  */
 void st_kernel_done(struct cu_req *rq, uint32_t k)
 {
@@ -379,12 +406,12 @@ void st_kernel_done(struct cu_req *rq, uint32_t k)
 
 	pthread_mutex_lock(&c->lock);
 	rq->kdone = k + 1;
-	if (r->b) {
+	if (r->p) {
 		if (rq->op == PHX_OP_READ) {
 			round_unbuffer_locked(c, r);
 			drop = true;
 		} else {
-			lane_give_back_locked(c, r->b);
+			piece_back_locked(c, r->p);
 		}
 	}
 	pthread_mutex_unlock(&c->lock);
@@ -496,7 +523,7 @@ static void early_reset_locked(struct cu_req *rq)
 	rq->round_next = 0;
 	rq->prefix = 0;
 	for (k = 0; k < rq->nrounds; k++) {
-		rq->rounds[k].b = NULL;
+		rq->rounds[k].p = NULL;
 		rq->rounds[k].ready = false;
 	}
 }
@@ -528,15 +555,16 @@ static bool piece_whole(const struct cu_piece *p)
 	       (uint64_t)p->pio.result >= (p->user_off - p->io_off) + p->user_len;
 }
 
-/* An early buffer joins the arrived op (c->lock held): it counts as stream work now. */
-static void early_adopt_locked(phx_cuda *c, struct cu_sbuf *b)
+/*
+ * An early piece joins the arrived op (c->lock held).  Its buffer keeps
+ * counting as early staging until it is free (other early pieces may share
+ * it): the class only bounds what early reads hold, and this one is about
+ * to go to the GPU.
+ */
+static void early_adopt_locked(struct cu_piece *p)
 {
-	struct cu_req *rq = b->round->rq;
-
-	b->early = false;
-	cls_drop_locked(c, b);
-	cls_take_locked(c, b, SBC_STREAM);
-	rq->e_live--;
+	p->early = false;
+	p->round->rq->e_live--;
 }
 
 /*
@@ -549,7 +577,7 @@ static bool early_settle(struct cu_req *rq)
 	phx_cuda *c = rq->c;
 	uint64_t devptr = 0, off = 0, len = 0;
 	int64_t size = -1, ctime_ns = -1;
-	struct cu_round *staged[CU_RING * 8];
+	struct cu_round **staged = NULL;
 	uint32_t nstaged = 0, k, freed = 0;
 	bool ok, restart = false, cut;
 	int ret;
@@ -560,18 +588,19 @@ static bool early_settle(struct cu_req *rq)
 	     file_stamp(rq->cf, &size, &ctime_ns) && size == rq->e_size &&
 	     ctime_ns == rq->e_ctime_ns &&
 	     !inode_written_since(rq->cf->f->inode, rq->e_gen, rq->off, rq->len);
+	if (ok)
+		staged = malloc(rq->nrounds * sizeof(*staged));
 	pthread_mutex_lock(&c->lock);
 	early_unlink_locked(rq);
-	ok = ok && rq->e_epoch == c->early_epoch && c->early_reads;
+	ok = ok && staged && rq->e_epoch == c->early_epoch && c->early_reads;
 	rq->e_state = ok ? E_OK : E_BAD;
 	if (!ok) {
-		/* held rounds go back now; rounds still reading come back later */
+		/* held pieces go back now; pieces still reading come back later */
 		for (k = 0; k < rq->round_next; k++) {
 			struct cu_round *r = &rq->rounds[k];
 
-			if (r->b && r->b->state == SB_HELD) {
+			if (r->p && r->p->pstate == P_HELD) {
 				round_unbuffer_locked(c, r);
-				rq->e_live--;
 				freed++;
 			}
 		}
@@ -579,26 +608,22 @@ static bool early_settle(struct cu_req *rq)
 		if (restart)
 			early_reset_locked(rq);
 		pthread_mutex_unlock(&c->lock);
+		free(staged);
 		stat_add(c, &c->st.early_misses, 1);
 		rq_ref_drop(rq, (int)freed);
 		return !restart;
 	}
 	for (k = 0; k < rq->round_next; k++) {
 		struct cu_round *r = &rq->rounds[k];
-		struct cu_sbuf *b = r->b;
+		struct cu_piece *p = r->p;
 
-		if (!b || b->state != SB_HELD)
+		if (!p || p->pstate != P_HELD)
 			continue;	/* still reading: its lane sees E_OK when done */
-		early_adopt_locked(c, b);
-		if (piece_whole(&b->pieces[0]) && nstaged < sizeof(staged) / sizeof(staged[0])) {
+		early_adopt_locked(p);
+		if (piece_whole(p))
 			staged[nstaged++] = r;
-		} else {
-			/* short or failed early: read again, in order, by its lane */
-			b->state = SB_BACK;
-			b->next = b->ln->inbox;
-			b->ln->inbox = b;
-			waker_kick(b->ln->efd);
-		}
+		else
+			piece_back_locked(c, p);	/* short or failed early: read again, in order */
 	}
 	cut = rq->e_cut;
 	if (cut) {
@@ -611,7 +636,8 @@ static bool early_settle(struct cu_req *rq)
 	pthread_mutex_unlock(&c->lock);
 	stat_add(c, &c->st.early_reads, 1);
 	for (k = 0; k < nstaged; k++)
-		st_round_staged(staged[k], &staged[k]->b->pieces[0]);
+		st_round_staged(staged[k]);
+	free(staged);
 	if (cut) {
 		st_advance(rq);
 		rq_ref_drop(rq, 1);		/* the cutting reference */
@@ -701,49 +727,61 @@ static void early_begin(struct cu_req *rq)
 }
 
 /*
- * A lane with a free buffer and no arrived work (c->lock held): one round of
- * the first early read the stream has not reached, within the early class.
+ * A lane with a free buffer and no arrived work (c->lock held): rounds of
+ * the first early reads the stream has not reached, packed into @b, within
+ * the early class.
  */
 bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b)
 {
-	struct cu_req *rq;
+	struct cu_req *rq, *next;
 
 	if (!c->early_head || !cls_may_take_locked(c, SBC_EARLY))
-		return false;
-	for (rq = c->early_head; rq && (rq->arrived || rq->state != RQ_WAITING); rq = rq->e_next)
-		;
-	if (!rq)
 		return false;
 	b->op = PHX_OP_READ;
 	b->fill = 0;
 	b->npieces = 0;
-	if (!rq_cut(rq, &b->pieces[0], &b->fill, rq->round_bytes, true))
-		return false;
-	st_round_take_locked(rq, b);
-	b->npieces = 1;
-	b->early = true;
-	cls_take_locked(c, b, SBC_EARLY);
-	rq->e_live++;
-	if (rq->cursor >= rq->end) {
-		early_unlink_locked(rq);
-		rq->e_cut = true;
+	for (rq = c->early_head; rq && b->npieces < CU_MAX_PIECES; rq = next) {
+		next = rq->e_next;
+		if (rq->arrived || rq->state != RQ_WAITING)
+			continue;
+		while (rq->cursor < rq->end && b->npieces < CU_MAX_PIECES) {
+			struct cu_piece *p = &b->pieces[b->npieces];
+
+			if (rq->round_next >= rq->nrounds)
+				break;	/* cannot happen (whole rounds): judged at arrival */
+			if (!rq_cut(rq, p, &b->fill, c->cfg.buf_size, rq->round_bytes, !b->npieces))
+				goto full;
+			st_round_take_locked(rq, b, p);
+			p->early = true;
+			rq->e_live++;
+			b->npieces++;
+		}
+		if (rq->cursor >= rq->end) {
+			early_unlink_locked(rq);
+			rq->e_cut = true;
+		}
 	}
+full:
+	if (!b->npieces)
+		return false;
+	b->state = SB_STREAM;
+	cls_take_locked(c, b, SBC_EARLY);
 	return true;
 }
 
 /*
- * An early buffer goes back unused (its request was judged E_BAD, or the
+ * An early piece goes back unused (its request was judged E_BAD, or the
  * context died); the last one restarts the request as an ordinary op.
  */
-void st_early_release(struct cu_sbuf *b)
+static void early_release(struct cu_piece *p)
 {
-	struct cu_req *rq = b->round->rq;
+	struct cu_req *rq = p->round->rq;
 	phx_cuda *c = rq->c;
 	bool restart;
 
 	pthread_mutex_lock(&c->lock);
-	round_unbuffer_locked(c, b->round);
-	restart = --rq->e_live == 0 && rq->e_state == E_BAD && rq->arrived;
+	round_unbuffer_locked(c, p->round);
+	restart = rq->e_live == 0 && rq->e_state == E_BAD && rq->arrived && !rq->gpu_gone;
 	if (restart)
 		early_reset_locked(rq);
 	pthread_mutex_unlock(&c->lock);
@@ -753,13 +791,13 @@ void st_early_release(struct cu_sbuf *b)
 }
 
 /*
- * A lane: the file I/O of an early round is over.  Returns 0 when done with
+ * A lane: the file I/O of an early piece is over.  Returns 0 when done with
  * it (held for the verdict, staged, or given back), 1 when it must be read
  * again (a short or failed early read of an op that stands).
  */
-int st_early_round(struct cu_sbuf *b)
+int st_early_round(struct cu_piece *p)
 {
-	struct cu_round *r = b->round;
+	struct cu_round *r = p->round;
 	struct cu_req *rq = r->rq;
 	phx_cuda *c = rq->c;
 	uint8_t s;
@@ -767,19 +805,19 @@ int st_early_round(struct cu_sbuf *b)
 	pthread_mutex_lock(&c->lock);
 	s = rq->e_state;
 	if (s == E_PENDING)
-		b->state = SB_HELD;
+		p->pstate = P_HELD;
 	else if (s == E_OK)
-		early_adopt_locked(c, b);
+		early_adopt_locked(p);
 	pthread_mutex_unlock(&c->lock);
 	if (s == E_PENDING)
 		return 0;
 	if (s != E_OK) {
-		st_early_release(b);
+		early_release(p);
 		return 0;
 	}
-	if (!piece_whole(&b->pieces[0]))
+	if (!piece_whole(p))
 		return 1;
-	st_round_staged(r, &b->pieces[0]);
+	st_round_staged(r);
 	return 0;
 }
 
@@ -986,7 +1024,7 @@ int st_submit(phx_cuda *c, struct phx_cuda_io *io, bool owned, phx_file *f, uint
 	rq->done_arg = done_arg;
 	rq->stream = s;
 	rq->state = RQ_WAITING;
-	rq->round_bytes = round_bytes(c, op, plen);
+	rq->round_bytes = round_bytes(c, op, plen, rq->cf->align);
 	rounds = rounds_needed(op, poff, plen, rq->cf->align, rq->round_bytes);
 	rq->nrounds = rounds ? (uint32_t)(rounds > UINT32_MAX / 2 ? UINT32_MAX / 2 : rounds) : 1;
 	rq->rounds = calloc(rq->nrounds, sizeof(*rq->rounds));
@@ -1066,9 +1104,7 @@ void st_kill(struct cu_req *rq, int err)
 	for (k = 0; k < rq->round_next && k < rq->nrounds; k++) {
 		struct cu_round *r = &rq->rounds[k];
 
-		if (r->b && (r->b->state == SB_GPU || r->b->state == SB_HELD)) {
-			if (r->b->early)
-				rq->e_live--;
+		if (r->p && (r->p->pstate == P_GPU || r->p->pstate == P_HELD)) {
 			round_unbuffer_locked(c, r);
 			drop++;
 		}
