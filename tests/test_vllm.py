@@ -287,7 +287,9 @@ def test_phx_fastsafetensors_without_fastsafetensors_is_logged_not_raised():
 def test_expert_parallel_rank_reads_only_its_experts(data_dir, rng):
     """With vLLM's expert-parallel filter set (local experts 0 and 1 of 4),
     the other experts' weights are neither dry-run nor read; dense weights
-    and expert scales (which vLLM never filters) are."""
+    and expert scales (which vLLM never filters) are.  A tensor the loading
+    code uses through an operation the dry run does not follow (the gate,
+    reshaped) is read whole, and the log says so."""
     sd = {f"layers.0.experts.{e}.w1.weight": rand_tensor(rng, (16, 8), torch.bfloat16)
           for e in range(4)}
     sd["layers.0.experts.3.w1.weight_scale"] = rand_tensor(rng, (1,), torch.float32)
@@ -296,6 +298,12 @@ def test_expert_parallel_rank_reads_only_its_experts(data_dir, rng):
     out = run_vllm(r"""
         import phx_vllm
         phx_vllm.register()
+        msgs = []
+        class H(logging.Handler):
+            def emit(self, rec):
+                msgs.append(rec.getMessage())
+        logging.getLogger("vllm").addHandler(H())
+        logging.getLogger("vllm").setLevel(logging.INFO)
         from types import SimpleNamespace
         from torch import nn
         from vllm.config.load import LoadConfig
@@ -306,6 +314,8 @@ def test_expert_parallel_rank_reads_only_its_experts(data_dir, rng):
                 seen = []
                 for name, t in weights:
                     seen.append(name)
+                    if name.endswith("gate.weight"):
+                        t = t.reshape(-1)
                     torch.empty(t.shape, dtype=t.dtype).copy_(t)
                 return set(seen)
 
@@ -315,8 +325,13 @@ def test_expert_parallel_rank_reads_only_its_experts(data_dir, rng):
         cfg = SimpleNamespace(model=sys.argv[1], revision=None, quantization=None)
         model = Model()
         names = sorted(n for n, _ in ld.get_all_weights(cfg, model))
-        print(json.dumps({"names": names, "skipped": ld.plans[0].skipped}))
+        print(json.dumps({"names": names, "skipped": ld.plans[0].skipped,
+                          "whole": ld.plans[0].whole,
+                          "logged": [m for m in msgs if "read whole" in m]}))
     """, data_dir)
     assert out["names"] == ["layers.0.experts.0.w1.weight", "layers.0.experts.1.w1.weight",
                             "layers.0.experts.3.w1.weight_scale", "layers.0.gate.weight"], out
     assert out["skipped"] == 2
+    assert out["whole"] == {"layers.0.gate.weight": "reshape"}
+    assert any("1 tensors read whole" in m and "reshape" in m and "layers.0.gate.weight" in m
+               for m in out["logged"]), out

@@ -75,6 +75,9 @@ class SourcePlan:
     names: list[str]                                     # read, in checkpoint names
     partial: dict[str, phx_loader.Partial]               # of those, read in part
     skipped: int = 0                                     # not needed on this rank
+    #: tensors read whole because the loading code used them through an
+    #: operation the dry run does not follow: name -> that operation
+    whole: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def read_bytes(self) -> int:
         total = 0
@@ -227,7 +230,9 @@ class PhxModelLoader(DefaultModelLoader):
                 t = p.checkpoint.tensors[n]
                 boxes = tuple(dict.fromkeys(u.boxes))
                 covered = merge_runs(r for b in boxes for r in box_runs(t, b))
-                if not u.whole_because and covered != [(0, t.nbytes)]:
+                if u.whole_because:
+                    p.whole[n] = u.whole_because
+                elif covered != [(0, t.nbytes)]:
                     partial[n] = phx_loader.Partial(boxes)
             p.skipped += len(p.names) - len(keep)
             p.names, p.partial = keep, partial
@@ -243,6 +248,12 @@ class PhxModelLoader(DefaultModelLoader):
                     read / 1e9, total / 1e9, 100 * read / max(total, 1), n, sliced, skipped)
         if why is not None:
             logger.info("phx: reading whole tensors: %s", why)
+        whole = {n: op for p in plans for n, op in p.whole.items()}
+        if whole:
+            ops = sorted(set(whole.values()))
+            logger.info("phx: %d tensors read whole: the loading code uses them through "
+                        "operations the dry run does not follow (%s), e.g. %s", len(whole),
+                        ", ".join(ops[:6]), ", ".join(sorted(whole)[:4]))
 
     # -- the weights -------------------------------------------------------
 
