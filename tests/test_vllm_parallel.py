@@ -1,7 +1,9 @@
 """``--load-format phx`` with vLLM's real model code at tensor parallel 2 x
-pipeline parallel 2, ranks simulated on the CPU: four processes, a gloo
+pipeline parallel 2 (Llama), and at tensor parallel 2 with expert parallel
+(Mixtral), ranks simulated on the CPU: a process per rank, a gloo
 process group, vLLM's own ``init_distributed_environment`` /
-``initialize_model_parallel``, ``LlamaForCausalLM`` built by vLLM's loader
+``initialize_model_parallel``, ``LlamaForCausalLM`` / ``MixtralForCausalLM``
+built by vLLM's loader
 (its ``create_model`` and ``load_weights``, as ``load_model`` calls them;
 ``process_weights_after_loading`` then repacks weights for vLLM's CPU
 kernels, which are not built here) from a small Llama checkpoint (2 shards
@@ -13,7 +15,8 @@ and with ``phx``, and reports every parameter's bytes and the bytes phx read
 (phx's own I/O counters, and the loader's plan).  Checked: the parameters
 are equal to the default loader's on every rank; each rank reads only its
 part (its pipeline stage's layers, its tensor-parallel rows or columns, its
-vocabulary shard): all ranks together at most 1.1x the checkpoint; and
+vocabulary shard, its experts): all ranks together at most 1.1x the
+checkpoint; and
 ``get_all_weights`` (what vLLM's ``reload_weights`` feeds the model with)
 gives the same parameters again, reading whole tensors and saying so.
 """
@@ -34,17 +37,20 @@ st = pytest.importorskip("safetensors.torch")
 from test_loader import rand_tensor  # noqa: E402
 from test_vllm import ROOT, SITE  # noqa: E402  (skips without the private vllm)
 
-TP, PP = 2, 2
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-          "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "num_hidden_layers": 4, "vocab_size": 250, "max_position_embeddings": 256,
-          "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 4, "vocab_size": 250, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+MIXTRAL = dict(LLAMA, architectures=["MixtralForCausalLM"], model_type="mixtral",
+               num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+#: name -> (config, tensor parallel, pipeline parallel, expert parallel)
+SETUPS = {"llama-tp2-pp2": (LLAMA, 2, 2, False), "mixtral-tp2-ep": (MIXTRAL, 2, 1, True)}
 
 RANK = textwrap.dedent(r"""
     import hashlib, json, logging, os, sys
     import torch
-    rank, world, tp, pp, model, port, out = sys.argv[1:]
-    rank, world, tp, pp = int(rank), int(world), int(tp), int(pp)
+    rank, world, tp, pp, ep, model, port, out = sys.argv[1:]
+    rank, world, tp, pp, ep = int(rank), int(world), int(tp), int(pp), ep == "1"
     logs = []
     class H(logging.Handler):
         def emit(self, rec):
@@ -63,7 +69,8 @@ RANK = textwrap.dedent(r"""
     def config(fmt, extra):
         return VllmConfig(model_config=mc,
                           parallel_config=ParallelConfig(tensor_parallel_size=tp,
-                                                         pipeline_parallel_size=pp),
+                                                         pipeline_parallel_size=pp,
+                                                         enable_expert_parallel=ep),
                           device_config=DeviceConfig("cpu"),
                           load_config=LoadConfig(load_format=fmt,
                                                  model_loader_extra_config=extra))
@@ -97,6 +104,7 @@ RANK = textwrap.dedent(r"""
         res["ref"] = digests(ref)
         res["tp_rank"] = ps.get_tp_group().rank_in_group
         res["pp_rank"] = ps.get_pp_group().rank_in_group
+        res["experts"] = sorted(n for n in res["ref"] if "experts" in n)
     with set_current_vllm_config(phx_cfg):
         logs.clear()
         ld = get_model_loader(phx_cfg.load_config)
@@ -106,6 +114,7 @@ RANK = textwrap.dedent(r"""
         res["read"] = phx.stats()["bytes_read"] - before
         res["planned"] = sum(p.read_bytes() for p in ld.plans)
         res["partial"] = sum(len(p.partial) for p in ld.plans)
+        res["local_experts"] = sorted(ld.local_expert_ids or [])
         res["phx"] = digests(m)
         res["load_logs"] = [x for x in logs if x.startswith(("phx", "Loading weights took"))]
         # vLLM's reload path (RL weight sync): reload_weights -> get_all_weights
@@ -133,9 +142,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_llama(d: str, rng) -> dict[str, torch.Tensor]:
-    """A small Llama checkpoint in Hugging Face's names, 2 shards and an index."""
-    c = CONFIG
+def write_checkpoint(d: str, c: dict, rng) -> dict[str, torch.Tensor]:
+    """A small Llama (or, with experts, Mixtral) checkpoint in Hugging
+    Face's names, 2 shards and an index."""
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
     sd = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
@@ -143,9 +152,17 @@ def write_llama(d: str, rng) -> dict[str, torch.Tensor]:
         p = f"model.layers.{n}."
         sd.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                   p + "input_layernorm.weight": (h,),
                    p + "post_attention_layernorm.weight": (h,)})
+        if "num_local_experts" in c:
+            e = p + "block_sparse_moe."
+            sd[e + "gate.weight"] = (c["num_local_experts"], h)
+            for x in range(c["num_local_experts"]):
+                sd.update({f"{e}experts.{x}.w1.weight": (i, h), f"{e}experts.{x}.w3.weight": (i, h),
+                           f"{e}experts.{x}.w2.weight": (h, i)})
+        else:
+            sd.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
     sd = {k: rand_tensor(rng, s, torch.bfloat16) for k, s in sd.items()}
     names = list(sd)
     wm = {}
@@ -160,21 +177,23 @@ def write_llama(d: str, rng) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def ranks(request, tmp_path_factory):
     import numpy as np
-    d = str(tmp_path_factory.mktemp("llama"))
-    sd = write_llama(d, np.random.default_rng(2024))
+    config, tp, pp, ep = SETUPS[request.param]
+    d = str(tmp_path_factory.mktemp(request.param))
+    sd = write_checkpoint(d, config, np.random.default_rng(2024))
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="INFO",
                PYTHONPATH=os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), SITE) if p]))
     port = _free_port()
-    world = TP * PP
+    world = tp * pp
     procs, outs = [], []
     for r in range(world):
         out = os.path.join(d, f"rank{r}.json")
         outs.append(out)
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), str(world), str(TP), str(PP), d, str(port), out],
+            [sys.executable, "-c", RANK, str(r), str(world), str(tp), str(pp), "1" if ep else "0",
+             d, str(port), out],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
@@ -187,12 +206,19 @@ def ranks(tmp_path_factory):
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-6000:]
     total = sum(t.numel() * t.element_size() for t in sd.values())
-    return [json.load(open(o)) for o in outs], total
+    return request.param, [json.load(open(o)) for o in outs], total
 
 
 def test_parameters_equal_the_default_loaders_on_every_rank(ranks):
-    res, _ = ranks
-    assert sorted((r["tp_rank"], r["pp_rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    setup, res, _ = ranks
+    _, tp, pp, ep = SETUPS[setup]
+    assert sorted((r["tp_rank"], r["pp_rank"]) for r in res) == sorted(
+        (t, p) for t in range(tp) for p in range(pp))
+    if ep:
+        # vLLM's name filter (enable_ep_weight_filter) is off by default: what
+        # keeps a rank from reading the other experts is the dry run, which
+        # sees FusedMoE's weight loader copy only the local ones
+        assert all(r["local_experts"] == [] and r["experts"] for r in res)
     for r in res:
         assert r["cls"] == "PhxModelLoader"
         assert r["phx"] and sorted(r["phx"]) == sorted(r["ref"]), r["rank"]
@@ -202,15 +228,17 @@ def test_parameters_equal_the_default_loaders_on_every_rank(ranks):
 
 def test_each_rank_reads_its_part(ranks):
     """Pipeline stages read their own layers, tensor-parallel ranks their
-    slices: the ranks together read the checkpoint about once (the norms,
-    which every tensor-parallel rank keeps whole, twice)."""
-    res, total = ranks
-    print(f"checkpoint {total} bytes; per rank (tp, pp): " + ", ".join(
+    slices, expert-parallel ranks their experts: the ranks together read the
+    checkpoint about once (what every rank keeps whole - the norms, the
+    router - more than once)."""
+    setup, res, total = ranks
+    print(f"{setup}: checkpoint {total} bytes; per rank (tp, pp): " + ", ".join(
         f"({r['tp_rank']},{r['pp_rank']}) {r['read']}" for r in res))
+    share = 1 / len(res)
     for r in res:
         assert r["read"] == r["planned"], r
         assert r["partial"] > 0, r
-        assert 0.15 * total < r["read"] < 0.3 * total, (r["rank"], r["read"], total)
+        assert 0.6 * share * total < r["read"] < 1.2 * share * total, (r["rank"], r["read"], total)
         assert any("this rank reads" in x for x in r["load_logs"]), r["load_logs"]
         if r["rank"] == 0:      # vLLM logs it on the (local) first rank
             assert any(x.startswith("Loading weights took") for x in r["load_logs"]), \
@@ -222,7 +250,7 @@ def test_reload_weights_through_get_all_weights(ranks):
     """vLLM's reload_weights finds get_all_weights and fills the model again
     (its parameters were zeroed) with the same bytes; a reload reads whole
     tensors (the model is in its loaded form) and logs why."""
-    res, total = ranks
+    _, res, total = ranks
     for r in res:
         assert r["has_get_all_weights"]
         bad = [n for n in r["ref"] if r["reloaded"][n] != r["ref"][n]]
