@@ -39,7 +39,6 @@ of O_DIRECT, which would read it from the device again
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
