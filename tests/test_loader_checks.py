@@ -176,6 +176,24 @@ def test_cachestat_and_mincore_agree(data_dir, rand_bytes):
     assert cache.method() in ("cachestat", "mincore")
 
 
+def test_mincore_fallback_where_cachestat_is_missing(data_dir, rand_bytes, monkeypatch):
+    """A kernel before 6.5 (or a seccomp filter) has no cachestat: the
+    fraction comes from mincore, and a warm file is still found warm."""
+    path = os.path.join(data_dir, "f")
+    with open(path, "wb") as f:
+        f.write(rand_bytes(4 * MiB))
+    monkeypatch.setattr(cache, "_cachestat_ok", False)
+    assert cache.cachestat_pages(0, 4096) is None and cache.method() == "mincore"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, 4 * MiB, 0)
+        assert cache.resident_fraction(fd) > 0.98
+        evict(path)
+        assert cache.resident_fraction(fd) < 0.05
+    finally:
+        os.close(fd)
+
+
 def _load_counting(path, **kw):
     before = phx.stats()
     it = loader.iter_tensors(path, **kw)
