@@ -454,6 +454,7 @@ void st_round_staged(struct cu_round *r);
 void st_round_reserved(struct cu_round *r);
 void st_round_written(struct cu_round *r);
 void st_cut_done_locked(struct cu_req *rq);
+uint32_t st_pack_limit(const phx_cuda *c, const struct cu_sbuf *b);
 void st_advance(struct cu_req *rq);
 /* Early reads */
 bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b);

@@ -114,7 +114,7 @@ static bool take_stream_locked(phx_cuda *c, struct cu_sbuf *b, struct cu_req **c
 		if (!__atomic_load_n(&rq->err, __ATOMIC_ACQUIRE)) {
 			struct cu_piece *p = &b->pieces[b->npieces];
 
-			if (!rq_cut(rq, p, &b->fill, c->cfg.buf_size, rq->round_bytes, !b->npieces))
+			if (!rq_cut(rq, p, &b->fill, st_pack_limit(c, b), rq->round_bytes, !b->npieces))
 				break;
 			st_round_take_locked(rq, b, p);
 			b->npieces++;

@@ -202,6 +202,29 @@ void st_round_take_locked(struct cu_req *rq, struct cu_sbuf *b, struct cu_piece 
 	__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
 }
 
+/*
+ * How far into @b the next stream round may reach (c->lock held).  Rounds
+ * are packed only while they are small: a lane's pieces of one buffer are
+ * its file I/O in one submission, which RAM-speed devices run in that one
+ * thread, so two big rounds in one buffer read (or write) in series what
+ * two lanes would read at once (the H200's zram: 1 MiB reads packed four to
+ * a buffer, 14 GB/s; one to a buffer, 16-19).  So: a write round (its
+ * stream waits for the file) has a buffer to itself, a read round of a
+ * quarter buffer or more too, and smaller reads share one, each of them
+ * less than a quarter.
+ */
+uint32_t st_pack_limit(const phx_cuda *c, const struct cu_sbuf *b)
+{
+	uint32_t q = c->cfg.buf_size / 4;
+
+	if (!b->npieces)
+		return c->cfg.buf_size;
+	if (b->op == PHX_OP_WRITE || b->pieces[b->npieces - 1].io_len >= q ||
+	    b->fill + q >= c->cfg.buf_size)
+		return b->fill;		/* nothing more fits */
+	return (uint32_t)align_up(b->fill, 4096) + q - 1;
+}
+
 /* Every piece is cut (c->lock held): the rounds left over carry nothing. */
 void st_cut_done_locked(struct cu_req *rq)
 {
@@ -749,7 +772,7 @@ bool st_early_take_locked(phx_cuda *c, struct cu_sbuf *b)
 
 			if (rq->round_next >= rq->nrounds)
 				break;	/* cannot happen (whole rounds): judged at arrival */
-			if (!rq_cut(rq, p, &b->fill, c->cfg.buf_size, rq->round_bytes, !b->npieces))
+			if (!rq_cut(rq, p, &b->fill, st_pack_limit(c, b), rq->round_bytes, !b->npieces))
 				goto full;
 			st_round_take_locked(rq, b, p);
 			p->early = true;
