@@ -14,13 +14,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 #     signature checks) python3-venv python3-dev
 #   tests and bench: fio xfsprogs e2fsprogs util-linux mount (mkfs, losetup, mount)
 #   guest harness: qemu-system-x86 busybox-static cpio xz-utils kmod (depmod, insmod in
-#     the guest), libelf-dev bc dwarves (pahole: the BTF step of phx.ko's modfinal);
+#     the guest), dmsetup (device-mapper I/O errors in the guest), libelf-dev bc
+#     dwarves (pahole: the BTF step of phx.ko's modfinal);
 #     flex bison libssl-dev for the P2PDMA kernel (make test-guest-p2pdma)
 #   test-fresh: debootstrap
 APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev libblkid-dev \
 	python3-venv python3-dev \
 	fio xfsprogs e2fsprogs util-linux mount \
-	qemu-system-x86 busybox-static cpio xz-utils kmod libelf-dev bc dwarves \
+	qemu-system-x86 busybox-static cpio xz-utils kmod dmsetup libelf-dev bc dwarves \
 	flex bison libssl-dev \
 	debootstrap
 export PHX_APT_PACKAGES := $(APT_PACKAGES)

@@ -57,7 +57,9 @@ P2PDMA_PACKAGES = HOST_PACKAGES
 # Modules the guest needs from a Debian kernel (dependencies are added).
 # Crypto first: libcrc32c (xfs, ext4) needs a crc32c provider when it loads.
 GUEST_MODULES = ["crc32c_generic", "crc32c-intel", "crc32_generic", "libcrc32c", "nvme",
-                 "9p", "9pnet_virtio", "ext4", "xfs", "virtio_pci", "loop"]
+                 "9p", "9pnet_virtio", "ext4", "xfs", "virtio_pci", "loop",
+                 # device-mapper: I/O errors from a real block device (test_guest_dm.py)
+                 "dm_mod", "dm_flakey"]
 
 BAD_PATTERNS = re.compile(r"Oops|\bBUG\b|WARNING|Call Trace|Kernel panic")
 # pytest's last line: "3 passed, 1 skipped in 0.52s", "no tests ran in 0.01s" (-q or -v)

@@ -20,7 +20,7 @@
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
 # PHX-EXPECT: fillbar checkbar validate validate-prefetch garbage rmmod-refused kill-midio
-# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem
+# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem dm-eio
 # PHX-EXPECT: nv-insmod nv-ext4/io-pread nv-ext4/io-uring nv-xfs/io-pread nv-xfs/io-uring
 # PHX-EXPECT: nv/fillbar nv/fork nv/unreg nvcb nvreg nvreuse nvsparse nvfail nvfixedbuf
 # PHX-EXPECT: race/mmap-unreg race/mmap-cb race/munmap-cb race/fork-cb race/unreg-cb
@@ -221,6 +221,14 @@ elif [ -f "$PHX_REPO/tests/guest/test_guest_libphx.py" ] &&
 	run_pytest libphx-devmem "$PHX_REPO/tests/guest/test_guest_libphx.py"
 else
 	echo "PHX-SKIP libphx-devmem: phx.devmem not importable with $PY (build the venv first)"
+fi
+
+# --- I/O errors from device-mapper (flakey, error) never become data: the
+# stream path on the fake libcuda, and LMCache's GDS backend (issue 22) ---
+if [ -e /dev/mapper/control ] && command -v dmsetup >/dev/null; then
+	run_pytest dm-eio "$PHX_REPO/tests/guest/test_guest_dm.py"
+else
+	fail "dm-eio: no device-mapper in the guest ($(ls /dev/mapper 2>&1)) or no dmsetup"
 fi
 
 fi # PHX_SUITE_ONLY

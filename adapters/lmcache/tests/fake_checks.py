@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -414,6 +415,74 @@ def check_enospc():
     assert r.bytes_done == n and (view(dst, n) == data).all(), "slab corrupted"
     h.close()
     os.unlink(filler)
+    deregister(src)
+    deregister(dst)
+
+
+def _dm_load(table: str) -> None:
+    name, env = os.environ["PHX_TEST_DM"], dict(os.environ, DM_DISABLE_UDEV="1")
+    for cmd in ("suspend", "reload", "resume"):
+        subprocess.run(["dmsetup", "--noudevsync", cmd, name], env=env, check=True,
+                       input=table + "\n" if cmd == "reload" else None, text=True)
+
+
+def check_dm_failed_store():
+    """The slab on a device that starts failing writes (dm-flakey with
+    error_writes, set up by tests/guest/test_guest_dm.py in the QEMU guest):
+    the failed store's chunk is a failed load (-EIO at submission) although
+    the device still holds the old bytes; the good chunk loads right;
+    healthy again, the chunk stored anew loads right."""
+    if not os.environ.get("PHX_TEST_DM"):
+        raise Skip("needs PHX_TEST_DM (tests/guest/test_guest_dm.py, in the QEMU guest)")
+    n = 2 * MiB
+    h = slab("dm", 16 * MiB)
+    # every slot written once, fsynced: no unwritten extent is left for ext4
+    # to convert (journal writes) while the device refuses writes
+    slab_file = os.path.join(WORK, "dm", "lmcache_gds_slab.bin")
+    with open(slab_file, "r+b") as fh:
+        fh.write(b"\0" * (16 * MiB))
+        fh.flush()
+        os.fsync(fh.fileno())
+    s = stream()
+    good, old, new = random(n), random(n), random(n)
+    src = written(h, good, 0, s)
+    view(src, n)[:] = old
+    w = h.write_async(src, n, 4 * MiB, 0, s)
+    sync(s)
+    assert w.bytes_done == n
+    _dm_load(os.environ["PHX_TEST_DM_FLAKEY"])
+    try:
+        view(src, n)[:] = new
+        w = h.write_async(src, n, 4 * MiB, 0, s)
+        sync(s)
+        assert w.bytes_done == -errno.EIO, w.bytes_done
+        with open(slab_file, "rb") as fh:
+            fh.seek(4 * MiB)
+            assert fh.read(4096) == old[:4096].tobytes(), "the device does not hold the old bytes"
+        dst = alloc(n)
+        register(dst, n)
+        view(dst, n)[:] = 0x5A
+        try:
+            h.read_async(dst, n, 4 * MiB, 0, s)
+        except RuntimeError as e:
+            assert f"rc={-errno.EIO}" in str(e), e
+        else:
+            raise AssertionError("the failed store's chunk was loaded")
+        assert (view(dst, n) == 0x5A).all(), "a refused load wrote the destination"
+        r = h.read_async(dst, n, 0, 0, s)
+        sync(s)
+        assert r.bytes_done == n and (view(dst, n) == good).all(), "the good chunk"
+    finally:
+        _dm_load(os.environ["PHX_TEST_DM_LINEAR"])
+    view(src, n)[:] = new
+    w = h.write_async(src, n, 4 * MiB, 0, s)
+    sync(s)
+    assert w.bytes_done == n
+    r = h.read_async(dst, n, 4 * MiB, 0, s)
+    sync(s)
+    assert r.bytes_done == n and (view(dst, n) == new).all(), "the chunk stored anew"
+    assert settled()["bad_refusals"] >= 1
+    h.close()
     deregister(src)
     deregister(dst)
 
