@@ -250,6 +250,9 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	pthread_cond_init(&eng->cond, NULL);
 	eng->efd = -1;
 	phx_engine_config_init(&eng->cfg);
+	ret = phx_env_check();
+	if (ret)
+		goto err_free;
 	if (cfg) {
 		size_t n = cfg->size && cfg->size < sizeof(*cfg) ? cfg->size : sizeof(*cfg);
 

@@ -1,26 +1,102 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
  * env.c - runtime settings from PHX_* environment variables, read in one
- * place.  A value the parser cannot read leaves the default in force.
+ * place.
+ *
+ * Every setting is a whole number that fits 32 bits: decimal, 0x hex or 0
+ * octal (strtoull base 0), optionally followed by k or m (KiB, MiB).  Unset
+ * or empty: the default.  A value the parser cannot read is an error, never
+ * a silent default: phx_env_u32() returns the default for it (its callers
+ * fill configurations and cannot fail), and phx_env_check(), run where an
+ * engine or an NVMe namespace is created, refuses with -EINVAL and a message
+ * naming the variable, so that a typo cannot pass for a measurement of the
+ * default.
  */
+#include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
-uint32_t phx_env_u32(const char *name, uint32_t dflt)
+/*
+ * Every setting libphx reads with phx_env_u32(): what phx_env_check()
+ * looks at.  A new phx_env_u32("PHX_...") belongs here too
+ * (tests/test_cli.py finds every call in src/ and checks each name).
+ */
+static const char *const phx_settings[] = {
+	/* engine.c */
+	"PHX_QUEUE_DEPTH", "PHX_MAX_IO_SIZE", "PHX_BOUNCE_SIZE", "PHX_BOUNCE_COUNT",
+	"PHX_SUBMIT_BATCH", "PHX_SPIN_NS",
+	/* cuda_context.c */
+	"PHX_CUDA_DEVICE", "PHX_CUDA_LANES", "PHX_CUDA_BUFS", "PHX_CUDA_BUF_SIZE",
+	"PHX_CUDA_MAX_IO", "PHX_CUDA_NO_BATCH_COPY", "PHX_CUDA_NO_MEMOPS",
+	"PHX_CUDA_EARLY_READS", "PHX_CUDA_TRACE", "PHX_CUDA_QUEUE_WAIT_MS",
+	/* nvme.c */
+	"PHX_NVME_QUEUE_DEPTH", "PHX_NVME_QUEUES",
+};
+
+/* 0 and *out on success, -ENOENT when unset or empty, -EINVAL when unreadable. */
+static int env_parse(const char *name, uint32_t *out)
 {
 	const char *s = getenv(name);
 	char *end;
 	unsigned long long v;
 
 	if (!s || !*s)
-		return dflt;
+		return -ENOENT;
+	if (*s == '-' || *s == '+' || *s == ' ' || *s == '\t')
+		return -EINVAL;		/* strtoull would take "-1" as 2^64 - 1 */
+	errno = 0;
 	v = strtoull(s, &end, 0);
-	if (*end == 'k' || *end == 'K')
+	if (errno || end == s)
+		return -EINVAL;
+	if (*end == 'k' || *end == 'K') {
+		if (v > UINT32_MAX >> 10)
+			return -EINVAL;
 		v <<= 10, end++;
-	else if (*end == 'm' || *end == 'M')
+	} else if (*end == 'm' || *end == 'M') {
+		if (v > UINT32_MAX >> 20)
+			return -EINVAL;
 		v <<= 20, end++;
+	}
 	if (*end || v > UINT32_MAX)
+		return -EINVAL;
+	*out = (uint32_t)v;
+	return 0;
+}
+
+uint32_t phx_env_u32(const char *name, uint32_t dflt)
+{
+	uint32_t v;
+
+	return env_parse(name, &v) ? dflt : v;
+}
+
+int phx_env_check(void)
+{
+	size_t i;
+	uint32_t v;
+
+	for (i = 0; i < sizeof(phx_settings) / sizeof(phx_settings[0]); i++) {
+		const char *name = phx_settings[i];
+
+		if (env_parse(name, &v) == -EINVAL)
+			return phx_err(-EINVAL,
+				       "%s=\"%.40s\" is not a whole number of 32 bits (e.g. 64, 0x40, 4k, 1m); fix or unset it",
+				       name, getenv(name));
+	}
+	return 0;
+}
+
+uint32_t phx_env_choice(const char *name, const char *const *choices, uint32_t dflt)
+{
+	const char *s = getenv(name);
+	uint32_t i;
+
+	if (!s || !*s)
 		return dflt;
-	return (uint32_t)v;
+	for (i = 0; choices[i]; i++)
+		if (!strcmp(s, choices[i]))
+			return i;
+	return dflt;
 }

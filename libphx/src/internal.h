@@ -178,6 +178,7 @@ struct phx_engine {
 
 /* env.c */
 uint32_t phx_env_u32(const char *name, uint32_t dflt);
+int phx_env_check(void);
 
 /* error.c */
 int phx_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

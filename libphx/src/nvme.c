@@ -98,18 +98,12 @@ static void st_max(phx_nvme *nv, uint64_t v)
 /* Configuration                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* A setting from env.c; 0 or above 4096: the default. */
 static uint32_t env_u32(const char *name, uint32_t dflt)
 {
-	const char *s = getenv(name);
-	char *end;
-	unsigned long v;
+	uint32_t v = phx_env_u32(name, dflt);
 
-	if (!s || !*s)
-		return dflt;
-	v = strtoul(s, &end, 0);
-	if (*end || v == 0 || v > 4096)
-		return dflt;
-	return (uint32_t)v;
+	return v == 0 || v > 4096 ? dflt : v;
 }
 
 PHX_EXPORT void phx_nvme_config_init(struct phx_nvme_config *cfg)
@@ -578,6 +572,9 @@ static int nvme_open(const char *path, const struct phx_nvme_config *ucfg,
 		return phx_err(-EINVAL, "phx_nvme_open: NULL argument");
 	*out = NULL;
 	phx_nvme_config_init(&cfg);
+	ret = phx_env_check();
+	if (ret)
+		return ret;
 	if (ucfg) {
 		size_t n = ucfg->size && ucfg->size < sizeof(cfg) ? ucfg->size : sizeof(cfg);
 
