@@ -136,15 +136,10 @@ def _module() -> dict[str, Any]:
 
 
 def _cgroup() -> dict[str, Any]:
-    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-        rel = (_read("/proc/self/cgroup") or "0::/").splitlines()[0].split("::", 1)[-1]
-        base = "/sys/fs/cgroup" + rel
-        return {"version": 2, "memory.max": _read(base + "/memory.max"),
-                "memory.current": _read(base + "/memory.current")}
-    if os.path.isdir("/sys/fs/cgroup/memory"):
-        return {"version": 1,
-                "memory.limit_in_bytes": _read("/sys/fs/cgroup/memory/memory.limit_in_bytes")}
-    return {"version": None}
+    """The process's own memory cgroup, v1 or v2, with the tightest limit and
+    memory.high up to the root (phx.cgroup: the reader phx.kv uses too)."""
+    from phx import cgroup
+    return cgroup.info()
 
 
 def _nvme() -> list[dict[str, Any]]:

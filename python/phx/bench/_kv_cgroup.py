@@ -5,32 +5,25 @@ import os
 import subprocess
 import time
 
-V1_ROOT = "/sys/fs/cgroup/memory"
+from phx import cgroup as _cgroup
+
+V1_ROOT = os.path.join(_cgroup.ROOT, "memory")
 #: where a cgroup v2 hierarchy may be mounted (unified, or hybrid's "unified")
-V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+V2_ROOTS = (_cgroup.ROOT, os.path.join(_cgroup.ROOT, "unified"))
 V2_ROOT = V2_ROOTS[0]
 
 
 def _v2_root() -> str | None:
     """The v2 mount whose controllers include memory (v2 is preferred: it caps swap
     with memory.swap.max and reports memory.peak), else None."""
-    for root in V2_ROOTS:
-        try:
-            with open(os.path.join(root, "cgroup.controllers")) as f:
-                if "memory" in f.read().split():
-                    return root
-        except OSError:
-            continue
-    return None
+    h = _cgroup.hierarchy()
+    return h[1] if h and h[0] == 2 else None
 
 
 def cgroup_version() -> int | None:
     """1 or 2 for the memory controller mounted here, None without one."""
-    if _v2_root() is not None:
-        return 2
-    if os.path.exists(os.path.join(V1_ROOT, "memory.limit_in_bytes")):
-        return 1
-    return None
+    h = _cgroup.hierarchy()
+    return h[0] if h else None
 
 
 def can_create() -> tuple[bool, str]:
@@ -123,33 +116,23 @@ class MemCgroup:
     def add(self, pid: int) -> None:
         self._w("cgroup.procs", str(pid))
 
+    def level(self) -> _cgroup.CgroupLevel | None:
+        """This cgroup's figures now, read by :mod:`phx.cgroup`."""
+        return _cgroup.level(self.path, self.version)
+
     def usage(self) -> int:
-        return int(self._r("memory.usage_in_bytes" if self.version == 1 else "memory.current") or 0)
+        lv = self.level()
+        return lv.usage if lv else 0
 
     def peak(self) -> int | None:
-        s = self._r("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak")
-        return int(s) if s and s.isdigit() else None
+        lv = self.level()
+        return lv.peak if lv else None
 
     def stat(self) -> dict[str, int]:
-        out = {}
-        for line in (self._r("memory.stat") or "").splitlines():
-            k, _, v = line.partition(" ")
-            if v.isdigit():
-                out[k] = int(v)
-        return out
+        return _cgroup.stat(self.path)
 
     def oom_kills(self) -> int:
-        if self.version == 1:
-            s = self._r("memory.oom_control") or ""
-            for line in s.splitlines():
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-            return 0
-        s = self._r("memory.events") or ""
-        for line in s.splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-        return 0
+        return _cgroup.oom_kills(self.path, self.version)
 
     def popen(self, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` inside this cgroup (it joins before exec)."""

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from phx import cgroup as _cgroup
 from phx.kv import _sys
 from phx.kv.budget import measure_budget
 from phx.kv.pipeline import AdaptivePipeline, CopyJob
@@ -82,31 +83,10 @@ class Shape:
         return self.ntensors * self.tensor_bytes
 
 
-def _cg_file(name: str) -> str | None:
-    try:
-        with open("/proc/self/cgroup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        hid, ctrls, path = line.split(":", 2)
-        if "memory" in ctrls.split(","):
-            return os.path.join("/sys/fs/cgroup/memory" + path, name)
-        if hid == "0" and ctrls == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-            v2 = {"memory.usage_in_bytes": "memory.current",
-                  "memory.limit_in_bytes": "memory.max"}.get(name, name)
-            return os.path.join("/sys/fs/cgroup" + path, v2)
-    return None
-
-
-def cgroup_value(name: str) -> int | None:
-    p = _cg_file(name)
-    try:
-        with open(p) as f:
-            s = f.read().strip()
-        return int(s) if s != "max" else None
-    except (OSError, TypeError, ValueError):
-        return None
+def own_cgroup():
+    """This process's own memory cgroup level (phx.cgroup), or None."""
+    cg = _cgroup.memory()
+    return cg.own if cg is not None else None
 
 
 # -- the I/O layer of each configuration --------------------------------------------
@@ -235,8 +215,9 @@ def run_worker(c: dict) -> dict:
         # charged to the cgroup, and the budget would hand them to Group 1
         x[:] = 0
     pinned = threads * s.tensor_bytes
-    base_usage = cgroup_value("memory.usage_in_bytes")
-    limit = cgroup_value("memory.limit_in_bytes")
+    lv = own_cgroup()
+    base_usage = lv.usage if lv else None
+    limit = lv.cap if lv and lv.capped else None
     if cfg == "probe":
         # what the worker holds before any KV I/O: the cap's fixed part
         relays = [_sys.aligned_empty(s.tensor_bytes) for _ in range(threads)]
@@ -245,7 +226,8 @@ def run_worker(c: dict) -> dict:
         for x in dev:
             x[:] = 1
         import phx  # noqa: F401  (the engine's bounce buffers)
-        return {"config": "probe", "usage": cgroup_value("memory.usage_in_bytes"),
+        lv = own_cgroup()
+        return {"config": "probe", "usage": lv.usage if lv else None,
                 "base_usage_before_buffers": base_usage}
 
     if cfg == "calibrate":
@@ -380,7 +362,7 @@ def run_worker(c: dict) -> dict:
         "strategies": strategies,
         "cgroup_limit": limit,
         "usage_at_start": base_usage,
-        "peak_usage": cgroup_value("memory.max_usage_in_bytes") or cgroup_value("memory.peak"),
+        "peak_usage": (own_cgroup() or _cgroup.CgroupLevel("", 0, 0)).peak,
     }
     # after every figure is taken: read each tensor back whole and compare hashes
     mismatched = verify(io, s, relays[0], [d.digest() for d in digests])

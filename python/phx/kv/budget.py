@@ -1,7 +1,7 @@
 """The page-cache budget B_pc: how much KV may live in the page cache without thrashing.
 
     headroom = min(MemAvailable, min over the cgroup and its ancestors of
-                                 (limit - (usage - own)))
+                                 (cap - (usage - own)))      cap = min(limit, memory.high)
     B_pc     = max(0, headroom - pinned - reserve)
 
 ``own`` is the caller's own page cache already charged there (the Group 1 pages a
@@ -13,64 +13,20 @@ cgroup made for an inference process it is that process's own file pages
 (libraries, modules, data it read), already part of the memory the cap was sized
 for; counting it let Group 1 take ~3 layers more than the cap held (measured:
 9 of 32 layers at 0.2 x the working set, where 6 fit).  It is reported
-(``explain()``).  cgroup v1 (``memory.limit_in_bytes`` / ``memory.usage_in_bytes``) and
-v2 (``memory.max`` / ``memory.current``) are both read; the figures are taken
-fresh on every call.
+(``explain()``).  The cgroup figures come from :mod:`phx.cgroup` (v1 and v2, the
+process's own cgroup up to the root, ``memory.high`` too); they are taken fresh on
+every call.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-#: Limits at or above this are "no limit" (v1 reports PAGE_COUNTER_MAX pages).
-UNLIMITED = 1 << 60
+# phx.cgroup is the one reader; its names stay importable from here
+from phx.cgroup import (UNLIMITED, CgroupLevel, CgroupMemory, parse_memory_stat,  # noqa: F401
+                        parse_proc_cgroup)
+from phx.cgroup import memory as cgroup_memory
+
 MiB = 1 << 20
-
-
-def parse_proc_cgroup(text: str) -> dict[str, str]:
-    """``/proc/<pid>/cgroup`` -> {"v1": path of the memory hierarchy, "v2": unified path}."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, ctrls, path = parts
-        if hid == "0" and ctrls == "":
-            out["v2"] = path
-        elif "memory" in ctrls.split(","):
-            out["v1"] = path
-    return out
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _read_int(path: str) -> int | None:
-    s = _read(path)
-    if s is None:
-        return None
-    if s == "max":
-        return UNLIMITED
-    try:
-        return int(s.split()[0])
-    except ValueError:
-        return None
-
-
-def parse_memory_stat(text: str) -> dict[str, int]:
-    out = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        try:
-            out[k] = int(v)
-        except ValueError:
-            pass
-    return out
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int:
@@ -79,88 +35,6 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise OSError(f"no MemAvailable in {meminfo}")
-
-
-@dataclass
-class CgroupLevel:
-    """One cgroup on the way to the root, as read."""
-    path: str
-    limit: int
-    usage: int
-    inactive_file: int
-    mapped_file: int = 0
-
-    @property
-    def headroom(self) -> int:
-        """Bytes that may still be charged here before the limit."""
-        return self.limit - self.usage
-
-
-@dataclass
-class CgroupMemory:
-    """The memory cgroup a process runs in, and the tightest level above it."""
-    version: int
-    path: str                    # directory of the process's own cgroup
-    levels: list[CgroupLevel] = field(default_factory=list)
-
-    @property
-    def binding(self) -> CgroupLevel | None:
-        """The level with the least headroom (None if no level sets a limit)."""
-        limited = [lv for lv in self.levels if lv.limit < UNLIMITED]
-        return min(limited, key=lambda lv: lv.headroom) if limited else None
-
-
-def _level(version: int, d: str) -> CgroupLevel | None:
-    if version == 1:
-        limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
-        usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
-        key, mkey = "total_inactive_file", "total_mapped_file"
-    else:
-        limit = _read_int(os.path.join(d, "memory.max"))
-        usage = _read_int(os.path.join(d, "memory.current"))
-        key, mkey = "inactive_file", "file_mapped"
-    if limit is None or usage is None:
-        return None
-    st = parse_memory_stat(_read(os.path.join(d, "memory.stat")) or "")
-    inactive = st.get(key, st.get("inactive_file", 0))
-    return CgroupLevel(d, limit, usage, inactive, st.get(mkey, st.get("mapped_file", 0)))
-
-
-def cgroup_memory(pid: int | str = "self", root: str = "/sys/fs/cgroup",
-                  proc_cgroup: str | None = None) -> CgroupMemory | None:
-    """Read the memory cgroup of ``pid`` (v1 memory hierarchy or v2), all levels to the root.
-
-    ``proc_cgroup`` replaces the contents of ``/proc/<pid>/cgroup`` (tests).
-    Returns None where no memory controller is mounted.
-    """
-    if proc_cgroup is None:
-        proc_cgroup = _read(f"/proc/{pid}/cgroup") or ""
-    paths = parse_proc_cgroup(proc_cgroup)
-    candidates = []
-    if "v1" in paths and os.path.isdir(os.path.join(root, "memory")):
-        candidates.append((1, os.path.join(root, "memory"), paths["v1"]))
-    if "v2" in paths and os.path.exists(os.path.join(root, "cgroup.controllers")):
-        candidates.append((2, root, paths["v2"]))
-    if "v2" in paths and os.path.exists(os.path.join(root, "unified", "cgroup.controllers")):
-        candidates.append((2, os.path.join(root, "unified"), paths["v2"]))
-    for version, mount, rel in candidates:
-        rel = rel.strip("/")
-        own = os.path.join(mount, rel) if rel else mount
-        if not os.path.isdir(own):
-            own = mount          # a cgroup namespace: our cgroup is the mount's root
-            rel = ""
-        levels = []
-        d = own
-        while True:
-            lv = _level(version, d)
-            if lv is not None:
-                levels.append(lv)
-            if os.path.samefile(d, mount) if os.path.exists(d) else True:
-                break
-            d = os.path.dirname(d)
-        if levels:
-            return CgroupMemory(version, own, levels)
-    return None
 
 
 @dataclass
@@ -198,7 +72,8 @@ class Budget:
         elif b is None:
             lines.append(f"cgroup v{self.cgroup.version}               {self.cgroup.path}: no limit")
         else:
-            lines.append(f"cgroup v{self.cgroup.version} limit         {b.limit / MiB:12.1f} MiB  ({b.path})")
+            what = "limit" if b.limit <= b.high else "high "
+            lines.append(f"cgroup v{self.cgroup.version} {what}         {b.cap / MiB:12.1f} MiB  ({b.path})")
             lines.append(f"  - usage               {b.usage / MiB:12.1f} MiB  "
                          f"(inactive file {b.inactive_file / MiB:.1f} MiB, "
                          f"mapped {b.mapped_file / MiB:.1f} MiB: not counted as free)")
@@ -220,6 +95,8 @@ class Budget:
             "cgroup_version": self.cgroup.version if self.cgroup else None,
             "cgroup_path": b.path if b else (self.cgroup.path if self.cgroup else None),
             "cgroup_limit": b.limit if b else None,
+            "cgroup_high": (b.high if b.high < UNLIMITED else None) if b else None,
+            "cgroup_cap": b.cap if b else None,
             "cgroup_usage": b.usage if b else None,
             "cgroup_inactive_file": b.inactive_file if b else None,
             "cgroup_mapped_file": b.mapped_file if b else None,

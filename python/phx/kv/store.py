@@ -167,7 +167,7 @@ def write_behind_default() -> bool:
     (docs/kv.md, "Write-behind").
     """
     cg = cgroup_memory()
-    return cg is not None and cg.version == 2 and cg.binding is not None
+    return cg is not None and cg.dirty_accounting and cg.binding is not None
 
 
 class KVStore:
