@@ -253,6 +253,10 @@ def test_failed_store_through_lmcache(fake_libcuda, dm, tmp_path):
         env = child_env(fake_libcuda, dm, PHX_TEST_DM_LINEAR=dm.linear(),
                         PHX_TEST_DM_FLAKEY=dm.flakey())
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+        # LMCache's import compiles numba kernels with cache=True: numba writes its
+        # cache beside the source, and the guest sees the tree read-only (without a
+        # writable cache folder LMCache's import fails: "no locator available")
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba-cache")
         r = subprocess.run([sys.executable, "-W", "ignore",
                             os.path.join(ROOT, "adapters", "lmcache", "tests", "fake_checks.py"),
                             str(mnt), "-", "dm_failed_store"], env=env, capture_output=True,
