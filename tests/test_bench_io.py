@@ -407,9 +407,9 @@ def test_zram_teardown_on_error():
 def test_bench_removes_zram_when_interrupted(data_dir, sig):
     _zram_skip(256 * MiB)
     before = _zram_devices()
-    cmd = [sys.executable, "-m", "phx.cli", "bench", "io", "--path", data_dir, "--size", "16m",
-           "--zram", "256m", "--engines", "preadv", "--ops", "read", "--bs", "4k",
-           "--qd", "1,2,3,4,5,6,7,8", "--runtime", "0.5", "--repeats", "2", "--no-progress"]
+    cmd = [sys.executable, "-m", "phx.cli", "bench", "io", "--dir", data_dir, "--size", "16m",
+           "--zram", "256m", "--methods", "preadv", "--ops", "read", "--bs", "4k",
+           "--qd", "1,2,3,4,5,6,7,8", "--runtime", "0.5", "--repeat", "2", "--quiet"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=sigint_default)
     try:
@@ -452,7 +452,7 @@ def test_default_grid_timing_and_budget():
     assert 20 * 60 < est < 45 * 60
     q = _parser().parse_args(["--quick"])
     assert bio.timing_from_args(q) == (bio.QUICK_RUNTIME, bio.QUICK_REPEATS)
-    assert bio.timing_from_args(_parser().parse_args(["--quick", "--repeats", "7"]))[1] == 7
+    assert bio.timing_from_args(_parser().parse_args(["--quick", "--repeat", "7"]))[1] == 7
     # Any of --bs/--qd/--ops: every combination, the others from the grid defaults.
     g = bio.rows_from_args(_parser().parse_args(["--qd", "1,8"]))
     assert len(g) == 4 * 2 * 2 and {r.qd for r in g} == {1, 8}
@@ -547,10 +547,10 @@ def test_acceptance_checks_not_measured():
 def test_bench_io_smoke(data_dir, tmp_path, capsys):
     out_json = tmp_path / "r" / "bench-io.json"
     out_png = tmp_path / "r" / "bench-io.png"
-    rc = main(["bench", "io", "--path", data_dir, "--size", "8m", "--bs", "4k,1m",
+    rc = main(["bench", "io", "--dir", data_dir, "--size", "8m", "--bs", "4k,1m",
                "--qd", "32", "--ops", "read,randread,write", "--runtime", "0.05",
-               "--repeats", "2", "--json", str(out_json), "--plot", str(out_png),
-               "--no-progress"])
+               "--repeat", "2", "--json", str(out_json), "--plot", str(out_png),
+               "--quiet"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     doc = json.loads(out_json.read_text())
@@ -605,9 +605,9 @@ def test_bench_io_on_tmpfs_reports_na(tmp_path, capsys):
     d = tempfile.mkdtemp(dir=shm)
     try:
         out_json = tmp_path / "r.json"
-        rc = main(["bench", "io", "--path", d, "--size", "4m", "--bs", "4k", "--qd", "2",
-                   "--ops", "read", "--engines", "preadv", "--runtime", "0.05", "--repeats", "1",
-                   "--json", str(out_json), "--no-progress"])
+        rc = main(["bench", "io", "--dir", d, "--size", "4m", "--bs", "4k", "--qd", "2",
+                   "--ops", "read", "--methods", "preadv", "--runtime", "0.05", "--repeat", "1",
+                   "--json", str(out_json), "--quiet"])
         printed = capsys.readouterr().out
         assert rc == 0, printed
         doc = json.loads(out_json.read_text())
@@ -626,10 +626,10 @@ def test_bench_io_zram_row_set(data_dir, tmp_path, capsys):
     _zram_skip(256 * MiB)
     before = _zram_devices()
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
-    rc = main(["bench", "io", "--path", data_dir, "--size", "16m", "--zram", "256m",
+    rc = main(["bench", "io", "--dir", data_dir, "--size", "16m", "--zram", "256m",
                "--bs", "4k", "--qd", "32", "--ops", "randread", "--runtime", "0.05",
-               "--repeats", "2", "--json", str(out_json), "--plot", str(out_png),
-               "--no-progress"])
+               "--repeat", "2", "--json", str(out_json), "--plot", str(out_png),
+               "--quiet"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     doc = json.loads(out_json.read_text())
@@ -648,17 +648,18 @@ def test_bench_io_zram_row_set(data_dir, tmp_path, capsys):
     assert _zram_devices() == before
 
 
-def test_bench_io_refuses_existing_file(data_dir):
+def test_bench_io_refuses_existing_file(data_dir, capsys):
     path = os.path.join(data_dir, "precious")
     with open(path, "wb") as f:
         f.write(os.urandom(4096))
-    with pytest.raises(SystemExit, match="existing file"):
-        main(["bench", "io", "--path", path, "--engines", "preadv", "--no-progress"])
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "io", "--dir", path, "--methods", "preadv", "--quiet"])
+    assert e.value.code == 2 and "not a directory" in capsys.readouterr().err
     assert os.path.getsize(path) == 4096
 
 
-def test_bench_io_refuses_small_zram(data_dir):
-    with pytest.raises(SystemExit, match="too small"):
-        main(["bench", "io", "--path", data_dir, "--size", "1g", "--zram", "512m",
-              "--engines", "preadv", "--no-progress"])
+def test_bench_io_refuses_small_zram(data_dir, capsys):
+    assert main(["bench", "io", "--dir", data_dir, "--size", "1g", "--zram", "512m",
+                 "--methods", "preadv", "--quiet"]) == 2
+    assert "too small" in capsys.readouterr().err
     assert os.listdir(data_dir) == []

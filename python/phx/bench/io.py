@@ -71,9 +71,10 @@ from typing import Any, Callable
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from phx.bench import _blockstat, _fio, _zram  # noqa: E402
-from phx.bench._common import (cpu_model, drop_caches, fmt_size, fmt_table,  # noqa: E402
-                               median_spread, parse_size, progress, storage_description,
-                               write_json)
+from phx.bench._common import (BenchError, add_common_arguments, cpu_model,  # noqa: E402
+                               deprecated_alias, dir_path, drop_caches, fmt_size, fmt_table,
+                               median_spread, need_space, parse_size, positive_float,
+                               positive_size, progress, storage_description, write_json)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -118,7 +119,7 @@ MIN_PAIRS_FOR_NOISE = 3
 class CheckSpec:
     """One acceptance check: phx's median over fio's median on one row."""
     name: str
-    target: str            # "disk" (the --path target) or "zram"
+    target: str            # "disk" (the --dir target) or "zram"
     op: str
     bs: int
     qd: int | None         # None: the queue depth where fio's median is highest
@@ -150,10 +151,22 @@ def _csv(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 
 def _positive_int(text: str) -> int:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r}") from None
     if v <= 0:
         raise ValueError(f"not a positive integer: {text!r}")
     return v
+
+
+def _csv_one(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def conv(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return conv
 
 
 def _op(text: str) -> str:
@@ -182,12 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"row set on the 2-core development box (1 GiB file), 26 with --zram. --quick: "
         f"{QUICK_REPEATS} x {QUICK_RUNTIME:g} s (about 1 minute per row set). The time is "
         f"printed at the start.")
-    p.add_argument("--path", default=None,
-                   help="directory to hold the test file (removed afterwards), or the name of a "
-                        "new file to create and keep; any filesystem that takes O_DIRECT "
-                        "(default: a temporary directory under the current directory, i.e. on "
-                        "its filesystem)")
-    p.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
+    p.add_argument("--size", type=positive_size, default=parse_size(DEFAULT_SIZE),
                    help=f"test file size (default {DEFAULT_SIZE})")
     p.add_argument("--bs", type=_csv(parse_size), default=None,
                    help=f"block sizes, comma-separated; with any of --bs/--qd/--ops the rows are "
@@ -197,16 +205,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"queue depths, comma-separated (grid default {GRID_QD})")
     p.add_argument("--ops", type=_csv(_op), default=None,
                    help=f"operations, comma-separated, fio's names (grid default {GRID_OPS})")
-    p.add_argument("--runtime", type=float, default=None,
+    p.add_argument("--runtime", type=positive_float, default=None,
                    help=f"seconds per engine per repeat per row (default {DEFAULT_RUNTIME:g}; "
                         f"--quick {QUICK_RUNTIME:g})")
-    p.add_argument("--repeats", type=_positive_int, default=None,
-                   help=f"interleaved repeats per row; medians are reported (default "
-                        f"{DEFAULT_REPEATS}; --quick {QUICK_REPEATS})")
     p.add_argument("--quick", action="store_true",
-                   help=f"short runs: --runtime {QUICK_RUNTIME:g} --repeats {QUICK_REPEATS} "
+                   help=f"short runs: --runtime {QUICK_RUNTIME:g} --repeat {QUICK_REPEATS} "
                         f"unless given (figures too noisy for a verdict)")
-    p.add_argument("--engines", type=_csv(_engine), default=list(ENGINES),
+    p.add_argument("--methods", dest="engines", type=_csv(_engine), default=list(ENGINES),
                    help=f"engines, comma-separated (default {','.join(ENGINES)})")
     p.add_argument("--zram", metavar="SIZE", type=parse_size, default=None,
                    help="also run the same rows on ext4 on a new zram device of SIZE bytes "
@@ -220,11 +225,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of READ_FIXED/WRITE_FIXED)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed for the test data and phx/preadv offsets (default: fresh)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG plot (the zram rows go to PATH with '-zram' before the "
-                        "extension)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_arguments(
+        p, dir_help="directory to hold the test file, made if missing; any filesystem that "
+                    "takes O_DIRECT (default: a temporary directory under the current "
+                    "directory, i.e. on its filesystem); the file (and a directory made for "
+                    "it) is removed afterwards unless --keep",
+        repeat=None,
+        repeat_help=f"interleaved repeats per row; medians are reported (default "
+                    f"{DEFAULT_REPEATS}; --quick {QUICK_REPEATS})",
+        keep_help="keep the test file (its name is printed)")
+    # the zram rows' plot goes to PATH with '-zram' before the extension
+    deprecated_alias(p, "--path", "--dir", "dir", type=dir_path)
+    deprecated_alias(p, "--repeats", "--repeat", "repeat", type=_csv_one(_positive_int))
+    deprecated_alias(p, "--engines", "--methods", "engines", type=_csv(_engine))
+    deprecated_alias(p, "--no-progress", "--quiet", "quiet", flag=True)
 
 
 @dataclass
@@ -252,7 +266,7 @@ def timing_from_args(args: argparse.Namespace) -> tuple[float, int]:
     """(--runtime, --repeats) after --quick and the defaults."""
     runtime = args.runtime if args.runtime is not None else (
         QUICK_RUNTIME if args.quick else DEFAULT_RUNTIME)
-    repeats = args.repeats if args.repeats is not None else (
+    repeats = args.repeat if args.repeat is not None else (
         QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     return runtime, repeats
 
@@ -286,25 +300,30 @@ class Target:
                     pass
 
 
-def prepare_target(path: str | None, size: int) -> Target:
-    """Pick the test file's name from ``--path`` (see its help)."""
+def prepare_target(path: str | None, size: int, keep: bool = False) -> Target:
+    """The test file's name: a new file in ``--dir`` (made if missing), else in a
+    temporary directory under the current one; removed (with a directory made
+    for it) unless ``keep``."""
     if path is None:
         d = tempfile.mkdtemp(prefix=".phx-bench-io-", dir=os.getcwd())
-        return Target(os.path.join(d, "testfile"), size, [d])
-    if os.path.isdir(path):
-        fd, name = tempfile.mkstemp(prefix="phx-bench-io-", suffix=".dat", dir=path)
-        os.close(fd)
-        return Target(name, size, [name])
-    if os.path.exists(path):
+        return Target(os.path.join(d, "testfile"), size, [] if keep else [d])
+    if os.path.exists(path) and not os.path.isdir(path):
         st = os.stat(path)
         what = "a block device" if stat.S_ISBLK(st.st_mode) else "an existing file"
-        raise SystemExit(f"phx bench io: --path {path} is {what}; the benchmark writes to its "
-                         f"test file, so give a directory (e.g. a zram-backed mount) or a new "
-                         f"file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise SystemExit(f"phx bench io: --path {path}: directory {parent} does not exist")
-    return Target(os.path.abspath(path), size, [])
+        raise BenchError(f"--dir {path} is {what}; the benchmark writes a test file, so give "
+                         f"a directory (e.g. a zram-backed mount)")
+    made = []
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise BenchError(f"--dir {path}: cannot make it: {e.strerror}") from None
+    fd, name = tempfile.mkstemp(prefix="phx-bench-io-", suffix=".dat", dir=path)
+    os.close(fd)
+    return Target(name, size, [] if keep else [name, *made])
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
@@ -332,7 +351,7 @@ def write_test_file(path: str, size: int, seed: int | None) -> float:
         os.ftruncate(fd, size)  # the last block may have been rounded up
         os.fsync(fd)
     except OSError as e:
-        raise SystemExit(f"phx bench io: cannot write the test file {path} with O_DIRECT: {e}")
+        raise BenchError(f"cannot write the test file {path} with O_DIRECT: {e}") from None
     finally:
         os.close(fd)
     return time.perf_counter() - t0
@@ -499,7 +518,7 @@ class FioEngine:
     def __init__(self, path: str, size: int, extra: list[str], submit_batch: int):
         exe = _fio.fio_path()
         if exe is None:
-            raise SystemExit("phx bench io: fio is not installed (apt-get install fio), "
+            raise BenchError("fio is not installed (apt-get install fio), "
                              "or leave it out with --engines phx,preadv")
         self.exe, self.path, self.size, self.extra = exe, path, size, extra
         self.submit_batch = submit_batch
@@ -541,8 +560,8 @@ class PhxEngine:
             import phx
             phx.Engine  # noqa: B018 - a source tree without the built extension lacks it
         except (ImportError, AttributeError) as e:
-            raise SystemExit(f"phx bench io: cannot use phx ({e}); build it with "
-                             f"`make build`, or leave it out with --engines fio,preadv")
+            raise BenchError(f"cannot use phx ({e}); build it with "
+                             f"`make build`, or leave it out with --methods fio,preadv")
         import numpy as np
         self.phx, self.np = phx, np
         self.path, self.size, self.register = path, size, register
@@ -969,20 +988,20 @@ def run(args: argparse.Namespace) -> int:
     runtime, repeats = timing_from_args(args)
     for bs in sorted({r.bs for r in rows}):
         if bs % 4096:
-            raise SystemExit(f"phx bench io: --bs {bs} is not a multiple of 4096 (O_DIRECT)")
+            raise BenchError(f"--bs {bs} is not a multiple of 4096 (O_DIRECT)")
         if bs > args.size:
-            raise SystemExit(f"phx bench io: --bs {fmt_size(bs)} exceeds --size")
+            raise BenchError(f"--bs {fmt_size(bs)} exceeds --size")
     if args.size % 4096:
-        raise SystemExit("phx bench io: --size must be a multiple of 4096")
+        raise BenchError("--size must be a multiple of 4096")
     if runtime <= 0:
-        raise SystemExit("phx bench io: --runtime must be positive")
+        raise BenchError("--runtime must be positive")
     if args.zram is not None and args.zram < args.size * 1.1 + 64 * MiB:
-        raise SystemExit(f"phx bench io: --zram {fmt_size(args.zram)} is too small for a "
+        raise BenchError(f"--zram {fmt_size(args.zram)} is too small for a "
                          f"{fmt_size(args.size)} test file (need >= --size + 10% + 64m)")
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little")
     submit_batch, submit_batch_source = phx_submit_batch()
-    main_target = prepare_target(args.path, args.size)
+    main_target = prepare_target(args.dir, args.size, args.keep)
     # A SIGTERM (e.g. from a CI timeout) unwinds like Ctrl-C: test files and zram go too.
     old_term = signal.signal(signal.SIGTERM, _terminate) \
         if threading.current_thread() is threading.main_thread() else None
@@ -996,15 +1015,12 @@ def run(args: argparse.Namespace) -> int:
                                     submit_batch)
             main = _row_set(None, main_target)
             d = os.path.dirname(main_target.path)
-            free = shutil.disk_usage(d).free
-            if free < args.size + 64 * MiB:
-                raise SystemExit(f"phx bench io: {fmt_size(args.size)} test file does not fit "
-                                 f"in {d} ({free / 1e9:.1f} GB free)")
+            need_space(d, args.size + 64 * MiB, f"the {fmt_size(args.size)} test file")
             zram_why = None
             if args.zram is None:
                 zram_why = "not asked for (--zram SIZE)"
             elif main.label == "zram":
-                zram_why = "--path is on zram already"
+                zram_why = "--dir is on zram already"
             else:
                 zram_why = _zram.unavailable(args.zram)
             if args.zram is not None and zram_why:
@@ -1013,7 +1029,7 @@ def run(args: argparse.Namespace) -> int:
             if zram_why and main.label != "zram":
                 missing["zram"] = f"zram rows not run: {zram_why}"
             if main.label != "disk":
-                missing["disk"] = f"the --path target is {main.label}, not a disk"
+                missing["disk"] = f"the --dir target is {main.label}, not a disk"
             est = estimate_seconds(len(rows), engines, repeats, runtime, args.size, n_sets)
             print(f"phx bench io: {len(rows)} rows x {len(engines)} engines x {repeats} repeats "
                   f"x {runtime:g} s on {n_sets} row set(s); about {est / 60:.0f} min "
@@ -1022,14 +1038,14 @@ def run(args: argparse.Namespace) -> int:
             load_start = os.getloadavg()
             t_start = time.perf_counter()
             bar = stack.enter_context(progress(len(rows) * len(engines) * repeats * n_sets,
-                                               "bench io", enabled=not args.no_progress,
+                                               "bench io", enabled=not args.quiet,
                                                unit="run"))
             sets.append(main)
             _measure(main, runners, rows, engines, runtime, repeats, seed, bar)
             main_target.remove()
             if not zram_why:
                 z = stack.enter_context(_zram.zram_ext4(args.zram))
-                zt = prepare_target(z.mountpoint, args.size)
+                zt = prepare_target(z.mountpoint, args.size)  # goes with the device
                 stack.callback(zt.remove)
                 zs = _row_set("zram", zt)
                 zs.zram = {"device": z.device, "disksize": z.disksize, "fs": "ext4",
@@ -1077,6 +1093,8 @@ def run(args: argparse.Namespace) -> int:
             n_errors += 1
             print(f"error: [{s.label}] {e} {key[0]} {fmt_size(key[1])} QD{key[2]}: {msg}",
                   file=sys.stderr)
+    if args.keep:
+        print(f"phx bench io: kept the test file {main_target.path} (--keep)", file=sys.stderr)
 
     config = {
         "targets": [s.describe() for s in sets], "cpu_model": cpu_model(),
@@ -1113,4 +1131,7 @@ def run(args: argparse.Namespace) -> int:
             plot(s.results, plot_path(args.plot, s.label, i == 0),
                  f"phx bench io [{s.label}]: {fmt_size(args.size)} file, {s.storage['fstype']} "
                  f"on {s.storage['device']}, {os.cpu_count()} CPUs {cpu_model()}")
+    if not any(r.get("gbps") is not None for r in results):
+        print("phx bench io: nothing was measured", file=sys.stderr)
+        return 1
     return 1 if n_errors else 0
