@@ -695,7 +695,7 @@ def test_bench_kv_cli_in_cgroups(tmp_path, model):
     cmd = [sys.executable, "-m", "phx", "bench", "kv", "--model", model,
            "--layers", "3", "--hidden", "512", "--heads", "8", "--prompt", "24",
            *(["--kv-heads", "2"] if model == "llama-3-8b" else []), "--gen", "6", "--caps", "0.5,1.5",
-           "--repeat", "1", "--no-progress", "--dir", str(tmp_path / "d"),
+           "--repeat", "1", "--quiet", "--dir", str(tmp_path / "d"),
            "--json", str(js), "--plot", str(png)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -949,7 +949,8 @@ def test_bench_model_shapes():
                                             "--heads", "8", "--hidden", "512"]))
     assert (small["layers"], small["heads"], small["kv_heads"]) == (3, 8, 8)
     assert bench.model_shape(p.parse_args(["--heads", "4", "--hidden", "512"]))["kv_heads"] == 4
-    with pytest.raises(SystemExit):
+    from phx.bench._common import BenchError
+    with pytest.raises(BenchError):
         bench.model_shape(p.parse_args(["--model", "llama-3-8b", "--heads", "12"]))
 
 

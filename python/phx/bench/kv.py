@@ -25,6 +25,8 @@ import tempfile
 import time
 
 from phx.bench import _common
+from phx.bench._common import (BenchError, Parser, add_common_arguments, csv,
+                               deprecated_alias, nonneg_int, positive_float, positive_int)
 
 MiB = 1 << 20
 CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
@@ -51,32 +53,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (FlexLLMGen's KV layout; OPT-6.7B by default)")
     g.add_argument("--model", choices=sorted(MODELS), default="opt-6.7b",
                    help="KV shape: layers, heads, KV heads, dtype (default opt-6.7b)")
-    g.add_argument("--layers", type=int, default=None)
-    g.add_argument("--hidden", type=int, default=None)
-    g.add_argument("--heads", type=int, default=None)
-    g.add_argument("--kv-heads", type=int, default=None,
+    g.add_argument("--layers", type=positive_int, default=None)
+    g.add_argument("--hidden", type=positive_int, default=None)
+    g.add_argument("--heads", type=positive_int, default=None)
+    g.add_argument("--kv-heads", type=positive_int, default=None,
                    help="KV heads (GQA; default: the model's, = --heads for OPT)")
-    g.add_argument("--batch", type=int, default=1,
+    g.add_argument("--batch", type=positive_int, default=1,
                    help="batch size (default 1: the paper's 32 scaled to this box)")
-    g.add_argument("--prompt", type=int, default=512)
-    g.add_argument("--gen", type=int, default=32)
-    g.add_argument("--dtype", default=None, help="float16 | bfloat16 (default: the model's)")
-    p.add_argument("--caps", default="0.2,0.4,0.6,0.8,0.9,1.0,1.2",
+    g.add_argument("--prompt", type=positive_int, default=512)
+    g.add_argument("--gen", type=_gen_steps, default=32)
+    g.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
+                   help="float16 | bfloat16 (default: the model's)")
+    p.add_argument("--caps", type=csv(_cap), default="0.2,0.4,0.6,0.8,0.9,1.0,1.2",
                    help="caps as fractions of the KV working set (added to the worker's "
                         "fixed memory, measured first)")
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--repeat", type=int, default=3, help="runs per cap x configuration")
-    p.add_argument("--threads", type=int, default=2, help="copy threads")
-    p.add_argument("--reserve", type=int, default=None,
+    p.add_argument("--methods", dest="configs", type=csv(str, allowed=CONFIGS + EXTRA_CONFIGS),
+                   default=",".join(CONFIGS),
+                   help=f"configurations, comma-separated (default {','.join(CONFIGS)}; "
+                        f"also {','.join(EXTRA_CONFIGS)})")
+    p.add_argument("--threads", type=positive_int, default=2, help="copy threads")
+    p.add_argument("--reserve", type=nonneg_int, default=None,
                    help="budgeter reserve in bytes (default 8 MiB + 2%% of the headroom)")
     p.add_argument("--no-dma", action="store_true",
                    help="skip the relay -> destination copy that stands in for H2D")
-    p.add_argument("--dir", default=None,
-                   help="where the KV files go (default: a temporary dir under results/)")
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--plot", default=None, help="write a PNG here")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per worker")
+    p.add_argument("--timeout", type=positive_float, default=600, help="seconds per worker")
+    add_common_arguments(
+        p, dir_help="where the KV files go, made if missing (default $PHX_BENCH_DIR or "
+                    "results/kv-data); each run's files are removed after it, and a "
+                    "directory made for them at the end, unless --keep",
+        repeat=3, repeat_help="runs per cap x configuration",
+        keep_help="keep each run's KV files (the last cap's of each configuration and "
+                  "repeat) and the directory")
+    deprecated_alias(p, "--configs", "--methods", "configs",
+                     type=csv(str, allowed=CONFIGS + EXTRA_CONFIGS))
+    deprecated_alias(p, "--no-progress", "--quiet", "quiet", flag=True)
+
+
+def _cap(text: str) -> float:
+    v = _common._float(text)
+    if not v > 0 or v == float("inf"):
+        raise ValueError(f"cap {text!r}: want a fraction above 0")
+    return v
+
+
+def _gen_steps(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: want 2 or more (prefill + decode steps)")
+    return v
 
 
 def model_shape(args: argparse.Namespace) -> dict:
@@ -90,7 +117,7 @@ def model_shape(args: argparse.Namespace) -> dict:
     if mha and getattr(args, "kv_heads", None) is None:
         m["kv_heads"] = m["heads"]
     if m["heads"] % m["kv_heads"] or m["hidden"] % m["heads"]:
-        raise SystemExit(f"phx bench kv: {m['heads']} heads do not split into "
+        raise BenchError(f"{m['heads']} heads do not split into "
                          f"{m['kv_heads']} KV heads, or hidden {m['hidden']} into heads")
     return m
 
@@ -99,7 +126,7 @@ def _worker_argv(conf: dict, out: str) -> list[str]:
     return [sys.executable, "-m", "phx.bench._kv_worker", json.dumps(conf), out]
 
 
-def _run_in_cgroup(conf: dict, limit: int | None, timeout: float) -> dict:
+def _run_in_cgroup(conf: dict, limit: int | None, timeout: float, keep: bool = False) -> dict:
     from phx.bench._kv_cgroup import MemCgroup
     name = f"phx-kv-{os.getpid()}-{int(time.time() * 1000) % 10**9}"
     fd, out = tempfile.mkstemp(prefix="phx-kv-", suffix=".json")
@@ -127,7 +154,8 @@ def _run_in_cgroup(conf: dict, limit: int | None, timeout: float) -> dict:
     finally:
         cg.close()
         os.unlink(out)
-        shutil.rmtree(conf["dir"], ignore_errors=True)
+        if not keep:
+            shutil.rmtree(conf["dir"], ignore_errors=True)
 
 
 def _child_env() -> dict:
@@ -152,8 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from phx.bench._kv_worker import Shape
     ok, why = can_create()
     if not ok:
-        print(f"phx bench kv: {why}; the benchmark needs real memory cgroups", file=sys.stderr)
-        return 1
+        raise BenchError(f"{why}; the benchmark needs real memory cgroups")
     m = model_shape(args)
     base_conf = {**m, "model": args.model,
                  "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
@@ -161,17 +188,19 @@ def run(args: argparse.Namespace) -> int:
                  "dma": not args.no_dma}
     shape = Shape(base_conf)
     ws = shape.working_set
-    fracs = [float(x) for x in args.caps.split(",") if x.strip()]
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in configs:
-        if c not in CONFIGS + EXTRA_CONFIGS:
-            print(f"unknown configuration {c!r}; choose from {CONFIGS + EXTRA_CONFIGS}",
-                  file=sys.stderr)
-            return 2
-    root = args.dir or os.path.join("results", "kv-data")
-    os.makedirs(root, exist_ok=True)
-    root = os.path.abspath(root)
+    fracs = list(args.caps)
+    configs = list(dict.fromkeys(args.configs))
+    default_root = os.path.join("results", "kv-data")
+    made = not os.path.exists(args.dir or os.environ.get("PHX_BENCH_DIR") or default_root)
+    root = _common.bench_dir(args.dir, default_root)
+    try:
+        return _run(args, base_conf, shape, ws, fracs, configs, root)
+    finally:
+        if made and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
 
+
+def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
     print(f"KV working set ({args.model}): {shape.layers} layers x K,V of {shape.tshape} "
           f"{shape.dtype_name} = "
           f"{ws / MiB:.1f} MiB; decode reads {_gen_read_bytes(shape) / 1e9:.2f} GB in "
@@ -198,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
     caps = [(f, fixed + int(f * ws)) for f in fracs]
     total = len(caps) * len(configs) * args.repeat
-    bar = _common.progress(total, "kv", enabled=not args.no_progress)
+    bar = _common.progress(total, "kv", enabled=not args.quiet)
     raw: list[dict] = []
     for rep in range(args.repeat):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
@@ -207,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 _common.drop_caches()
                 conf = {**base_conf, "config": cfg, "seed": rep + 1,
                         "dir": os.path.join(root, f"{cfg}-{rep}")}
-                res = _run_in_cgroup(conf, cap, args.timeout)
+                res = _run_in_cgroup(conf, cap, args.timeout, args.keep)
                 res.update({"cap_bytes": cap, "cap_fraction": f, "repeat": rep})
                 raw.append(res)
                 bar.update(1)
@@ -239,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"row failed: cap {x['cap_bytes'] / MiB:.0f} MiB {x['config']}: {_failure(x)}")
     _common.write_json(args.json, {
         "benchmark": "kv",
-        "command": "phx bench kv " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "kv"]
-                                                else sys.argv[1:]),
         "workload": {**base_conf, "tensor_shape": shape.tshape, "working_set_bytes": ws,
                      "decode_read_bytes": _gen_read_bytes(shape)},
         "worker_fixed_bytes": fixed,
@@ -395,9 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         from phx.bench._kv_worker import main as worker_main
         return worker_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m phx.bench.kv", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m phx.bench.kv", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    try:
+        return run(p.parse_args(argv))
+    except BenchError as e:
+        print(f"phx bench kv: {e}", file=sys.stderr)
+        return e.status
 
 
 if __name__ == "__main__":
