@@ -3,10 +3,12 @@
  * phx.h - the public C API of libphx.
  *
  * libphx moves bytes between files (O_DIRECT by default) and memory through
- * io_uring.  Everything is reached through opaque handles:
+ * io_uring, or where io_uring is refused (containers' seccomp profiles) a
+ * pool of threads (see enum phx_backend_kind).  Everything is reached
+ * through opaque handles:
  *
- *   phx_engine   one io_uring, its bounce buffers, its registered files and
- *                buffers, and its counters.  Thread-safe: any number of
+ *   phx_engine   one io_uring (or thread pool), its bounce buffers, its
+ *                registered files and buffers, and its counters.  Thread-safe: any number of
  *                threads may submit to and wait on one engine.
  *   phx_file     a file opened (or adopted) on an engine.
  *   struct phx_io one read or write request.  Owned by the caller; it must
@@ -68,6 +70,20 @@ enum {
 	PHX_ENGINE_SINGLE_THREAD = 1u << 2,
 };
 
+/*
+ * Backends (struct phx_engine_config.backend; PHX_0.6): how an engine's
+ * device requests reach the kernel.  Both run the same API with the same
+ * alignment, bounce, short-transfer, write-claim and counter rules.
+ */
+enum phx_backend_kind {
+	/* io_uring; the thread pool where io_uring cannot be had (io_uring_setup
+	 * refused: EPERM from a seccomp filter or kernel.io_uring_disabled,
+	 * ENOSYS, EACCES, or ENOMEM under an old kernel's RLIMIT_MEMLOCK) */
+	PHX_BACKEND_AUTO = 0,
+	PHX_BACKEND_URING = 1,	/* io_uring only: fail where it is refused */
+	PHX_BACKEND_THREADS = 2,	/* a pool of threads calling preadv2/pwritev2 */
+};
+
 struct phx_engine_config {
 	uint32_t size;		/* sizeof(struct phx_engine_config) */
 	uint32_t queue_depth;	/* requests in flight; ring entries (128) */
@@ -77,7 +93,10 @@ struct phx_engine_config {
 	uint32_t flags;		/* PHX_ENGINE_* */
 	uint32_t max_files;	/* registered-file slots (256) */
 	uint32_t submit_batch;	/* SQEs per io_uring_enter; 0: all (4) */
-	uint32_t reserved[8];
+	uint32_t backend;	/* enum phx_backend_kind (PHX_ENGINE: auto) */
+	uint32_t io_threads;	/* threads backend: most workers; 0: the queue
+				 * depth, at most 64 (PHX_IO_THREADS) */
+	uint32_t reserved[6];
 };
 
 /* Fill @cfg with the defaults above, overridden by PHX_* environment vars. */
@@ -108,6 +127,22 @@ enum {
 	PHX_FEAT_REG_RING = 1u << 6,	/*   the ring fd is registered */
 };
 uint32_t phx_engine_features(const phx_engine *eng);
+
+/*
+ * The backend an engine runs on ("uring" or "threads"; PHX_0.6), and why:
+ * "io_uring_setup succeeded", "asked for (...)", or the reason io_uring
+ * could not be had.  The strings live as long as the engine.  An automatic
+ * fall-back to threads is also logged once per process on stderr.
+ */
+const char *phx_engine_backend(const phx_engine *eng);
+const char *phx_engine_backend_reason(const phx_engine *eng);
+
+/*
+ * Whether backend @kind (PHX_BACKEND_URING or _THREADS) can run here: 0, or
+ * -errno with the reason in phx_strerror_last() (PHX_0.6).  Its name and a
+ * one-line description go to @name and @desc when they are not NULL.
+ */
+int phx_backend_check(uint32_t kind, const char **name, const char **desc);
 
 /* ------------------------------------------------------------------------ */
 /* Files                                                                    */
@@ -170,7 +205,9 @@ int phx_file_check_range(const phx_file *f, uint64_t offset, uint64_t len);
  * Register [addr, addr + len) as an io_uring fixed buffer.  Direct requests
  * that fall inside a registered buffer use READ_FIXED/WRITE_FIXED (no page
  * pinning per request).  Fails with -ENOMEM/-EPERM under RLIMIT_MEMLOCK,
- * -EOPNOTSUPP where the kernel lacks sparse buffer tables.
+ * -EOPNOTSUPP where the kernel lacks sparse buffer tables.  On the threads
+ * backend registration is kept (the same -EEXIST/-ENOENT/-EBUSY rules) but
+ * changes nothing: there are no fixed buffers (fixed_buf_ios stays 0).
  */
 int phx_buf_register(phx_engine *eng, void *addr, size_t len);
 int phx_buf_deregister(phx_engine *eng, void *addr);
@@ -284,7 +321,7 @@ struct phx_stats {
 	uint64_t short_ios;		/* short transfers that were continued */
 	uint64_t fixed_buf_ios;		/* device requests on fixed buffers */
 	uint64_t sqes;			/* device requests issued */
-	uint64_t submits;		/* io_uring_submit calls */
+	uint64_t submits;		/* io_uring_submit calls (threads: hand-overs) */
 	uint64_t errors;		/* requests that failed */
 	uint64_t bad_marks;		/* failed writes whose range reads now refuse */
 	uint64_t bad_refusals;		/* reads refused: the last write of their range failed */

@@ -1,15 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * engine.c - the ring, its resources, and the progress loop.
+ * engine.c - an engine: its configuration, resources, backend, and the
+ * public request entry points.
  *
- * Progress is leader/follower: a thread that needs completions takes the
- * reaping role if nobody has it, waits on the ring with the lock dropped,
- * then handles every completion it finds (for all threads) under the lock
- * and wakes the others.  Threads that find a reaper at work sleep on the
- * condition variable instead.  Submission happens under the lock at any
- * time, so a reaper asleep in the kernel never delays new work.
+ * How device operations reach the kernel is the backend's (struct
+ * phx_backend: be_uring.c, be_threads.c), chosen once at creation from
+ * phx_engine_config.backend (PHX_ENGINE): io_uring where it can be had,
+ * else - or when asked for - the thread pool.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -22,6 +22,12 @@
 /* Configuration                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* The backends by kind (PHX_BACKEND_AUTO: io_uring, then threads). */
+static const struct phx_backend *const backends[] = {
+	[PHX_BACKEND_URING] = &be_uring,
+	[PHX_BACKEND_THREADS] = &be_threads,
+};
+
 PHX_EXPORT void phx_engine_config_init(struct phx_engine_config *cfg)
 {
 	memset(cfg, 0, sizeof(*cfg));
@@ -32,6 +38,8 @@ PHX_EXPORT void phx_engine_config_init(struct phx_engine_config *cfg)
 	cfg->bounce_count = phx_env_u32("PHX_BOUNCE_COUNT", PHX_DEFAULT_BOUNCE_COUNT);
 	cfg->max_files = PHX_DEFAULT_MAX_FILES;
 	cfg->submit_batch = phx_env_u32("PHX_SUBMIT_BATCH", PHX_DEFAULT_SUBMIT_BATCH);
+	cfg->backend = phx_env_choice("PHX_ENGINE", phx_engine_choices, PHX_BACKEND_AUTO);
+	cfg->io_threads = phx_env_u32("PHX_IO_THREADS", 0);
 }
 
 
@@ -56,6 +64,11 @@ static int config_check(struct phx_engine_config *c)
 	if (c->max_files < 1 || c->max_files > 65536)
 		return phx_err(-EINVAL, "max_files %u is outside 1..65536",
 			       c->max_files);
+	if (c->backend > PHX_BACKEND_THREADS)
+		return phx_err(-EINVAL, "backend %u is none of PHX_BACKEND_AUTO, _URING, _THREADS",
+			       c->backend);
+	if (c->io_threads > 4096)
+		return phx_err(-EINVAL, "io_threads %u is outside 0..4096", c->io_threads);
 	return 0;
 }
 
@@ -80,51 +93,20 @@ static int bounce_setup(phx_engine *eng)
 	return 0;
 }
 
-/*
- * Fixed buffers: a sparse table whose first bounce_count entries are the
- * bounce buffers and the rest caller registrations.  Either step may fail
- * (old kernel, RLIMIT_MEMLOCK); the engine then works without them.
- */
-static void fixed_bufs_setup(phx_engine *eng)
-{
-	uint32_t n = eng->cfg.bounce_count, i;
-	struct iovec *iov;
-	int ret;
-
-	for (i = 0; i < PHX_USER_BUF_SLOTS; i++)
-		eng->ubufs[i].index = n + i;
-	if (eng->cfg.flags & PHX_ENGINE_NO_FIXED_BUFS)
-		return;
-	ret = io_uring_register_buffers_sparse(&eng->ring, n + PHX_USER_BUF_SLOTS);
-	if (ret < 0)
-		return;
-	eng->features |= PHX_FEAT_USER_BUFS;
-	iov = calloc(n, sizeof(*iov));
-	if (!iov)
-		return;
-	for (i = 0; i < n; i++) {
-		iov[i].iov_base = eng->bounce_mem + (size_t)i * eng->cfg.bounce_size;
-		iov[i].iov_len = eng->cfg.bounce_size;
-	}
-	ret = io_uring_register_buffers_update_tag(&eng->ring, 0, iov, NULL, n);
-	free(iov);
-	if (ret >= 0)
-		eng->features |= PHX_FEAT_FIXED_BUFS;
-}
-
-static void fixed_files_setup(phx_engine *eng)
+/* The registered-file table; the backend says whether slots are used. */
+static int file_slots_setup(phx_engine *eng)
 {
 	uint32_t i;
 
 	eng->file_slots = malloc(eng->cfg.max_files * sizeof(int));
 	if (!eng->file_slots)
-		return;
+		return phx_err(-ENOMEM, "out of memory");
 	for (i = 0; i < eng->cfg.max_files; i++)
 		eng->file_slots[i] = -1;
-	if (eng->cfg.flags & PHX_ENGINE_NO_FIXED_FILES)
-		return;
-	if (io_uring_register_files_sparse(&eng->ring, eng->cfg.max_files) >= 0)
-		eng->features |= PHX_FEAT_FIXED_FILES;
+	/* fixed-buffer indices: the bounce buffers first, then these */
+	for (i = 0; i < PHX_USER_BUF_SLOTS; i++)
+		eng->ubufs[i].index = eng->cfg.bounce_count + i;
+	return 0;
 }
 
 static int chunks_setup(phx_engine *eng)
@@ -141,62 +123,55 @@ static int chunks_setup(phx_engine *eng)
 	return 0;
 }
 
-/*
- * The ring, with the most helpful setup flags the kernel accepts: each set
- * below is tried in turn, dropping what older kernels refuse (-EINVAL).
- *   SUBMIT_ALL (5.18): an SQE that fails at submission does not hold back
- *     the ones behind it;
- *   COOP_TASKRUN | TASKRUN_FLAG (5.19): completions need not interrupt us;
- *   SINGLE_ISSUER | DEFER_TASKRUN (6.0 / 6.1), single-thread engines only:
- *     completion work runs in batches when we wait, not per completion.
- * The SQ has one entry more than the queue depth for the retry tick.
- */
-static int ring_setup(phx_engine *eng)
+/* io_uring_setup errors that mean "not here" rather than "broken". */
+static bool uring_refused(int err)
 {
-	static const unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
-	static const unsigned single = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
-	unsigned tries[6], ntries = 0, i;
-	struct io_uring_params p;
-	int ret = -EINVAL;
+	return err == -EPERM || err == -EACCES || err == -ENOSYS || err == -ENOMEM;
+}
 
-	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD) {
-		tries[ntries++] = IORING_SETUP_SUBMIT_ALL | single | IORING_SETUP_TASKRUN_FLAG;
-		tries[ntries++] = IORING_SETUP_SUBMIT_ALL | IORING_SETUP_SINGLE_ISSUER | coop;
+/*
+ * The automatic fall-back is news once per process (a GPU context makes an
+ * engine per lane); the flag is the only state libphx keeps for it.
+ */
+static void fallback_log_once(const char *why)
+{
+	static int logged;
+
+	if (!__atomic_exchange_n(&logged, 1, __ATOMIC_RELAXED))
+		fprintf(stderr, "phx: %s; running on the thread-pool engine (PHX_ENGINE=threads "
+			"chooses it, PHX_ENGINE=uring refuses it)\n", why);
+}
+
+/* The backend the configuration asks for, or the first that can run. */
+static int backend_setup(phx_engine *eng)
+{
+	uint32_t want = eng->cfg.backend;
+	int ret;
+
+	if (want == PHX_BACKEND_THREADS) {
+		eng->be = &be_threads;
+		snprintf(eng->be_why, sizeof(eng->be_why),
+			 "asked for (PHX_ENGINE=threads or phx_engine_config.backend)");
+		return eng->be->setup(eng);
 	}
-	tries[ntries++] = IORING_SETUP_SUBMIT_ALL | coop;
-	tries[ntries++] = coop;
-	tries[ntries++] = 0;
-	for (i = 0; i < ntries; i++) {
-		memset(&p, 0, sizeof(p));
-		/* Completions outnumber submissions only transiently: 2x is ample. */
-		p.flags = IORING_SETUP_CQSIZE | tries[i];
-		p.cq_entries = 2 * (eng->cfg.queue_depth + 1);
-		ret = io_uring_queue_init_params(eng->cfg.queue_depth + 1, &eng->ring, &p);
-		if (ret != -EINVAL)
-			break;
+	eng->be = &be_uring;
+	ret = eng->be->setup(eng);
+	if (!ret) {
+		snprintf(eng->be_why, sizeof(eng->be_why), "io_uring_setup succeeded%s",
+			 want == PHX_BACKEND_URING ? " (asked for io_uring only)" : "");
+		return 0;
 	}
-	if (ret < 0)
-		return phx_err(ret, "io_uring_queue_init(%u) failed%s", eng->cfg.queue_depth,
-			       ret == -EPERM ? " (io_uring disabled by sysctl kernel.io_uring_disabled?)" :
-			       ret == -ENOSYS ? " (kernel without io_uring)" : "");
-	if (p.flags & IORING_SETUP_SUBMIT_ALL)
-		eng->features |= PHX_FEAT_SUBMIT_ALL;
-	if (p.flags & IORING_SETUP_SINGLE_ISSUER)
-		eng->features |= PHX_FEAT_SINGLE_ISSUER;
-	if (p.flags & IORING_SETUP_DEFER_TASKRUN)
-		eng->features |= PHX_FEAT_DEFER_TASKRUN;
-	eng->enter_fd = eng->ring.ring_fd;
-	/* A registered ring fd is per thread: only for single-thread engines. */
-	if ((eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD) &&
-	    io_uring_register_ring_fd(&eng->ring) == 1) {
-		eng->enter_fd = eng->ring.enter_ring_fd;
-		eng->enter_flags = IORING_ENTER_REGISTERED_RING;
-		eng->features |= PHX_FEAT_REG_RING;
-	}
-	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD)
-		eng->owner_tid = gettid();
-	eng->tick_ts.tv_nsec = PHX_TICK_NS;
-	return 0;
+	if (want == PHX_BACKEND_URING || !uring_refused(ret))
+		return ret;
+	/* phx_err's text of the refusal, before the next call replaces it */
+	snprintf(eng->be_why, sizeof(eng->be_why), "io_uring unavailable: %s",
+		 phx_strerror_last());
+	eng->features = 0;
+	eng->be = &be_threads;
+	ret = eng->be->setup(eng);
+	if (!ret)
+		fallback_log_once(eng->be_why);
+	return ret;
 }
 
 /*
@@ -214,6 +189,8 @@ int engine_thread_check(const phx_engine *eng)
 
 static void engine_free(phx_engine *eng)
 {
+	if (eng->be)
+		eng->be->teardown(eng);
 	free(eng->chunks);
 	free(eng->bounce_free);
 	free(eng->bounce_mem);
@@ -270,13 +247,16 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	ret = bounce_setup(eng);
 	if (ret)
 		goto err_free;
-
-	ret = ring_setup(eng);
-	if (ret < 0)
+	ret = file_slots_setup(eng);
+	if (ret)
 		goto err_free;
-	fixed_files_setup(eng);
-	fixed_bufs_setup(eng);
-	eng->spin_ns = phx_env_u32("PHX_SPIN_NS", 0);
+	ret = backend_setup(eng);
+	if (ret < 0) {
+		eng->be = NULL;	/* a failed setup undid itself */
+		goto err_free;
+	}
+	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD)
+		eng->owner_tid = gettid();
 	*out = eng;
 	return 0;
 
@@ -314,7 +294,6 @@ PHX_EXPORT int phx_engine_destroy(phx_engine *eng)
 	}
 	pthread_mutex_unlock(&eng->lock);
 	file_close_all(eng);
-	io_uring_queue_exit(&eng->ring);
 	if (eng->efd >= 0)
 		close(eng->efd);
 	engine_free(eng);
@@ -332,6 +311,37 @@ PHX_EXPORT uint32_t phx_engine_features(const phx_engine *eng)
 	return eng->features;
 }
 
+PHX_EXPORT const char *phx_engine_backend(const phx_engine *eng)
+{
+	return eng->be->name;
+}
+
+PHX_EXPORT const char *phx_engine_backend_reason(const phx_engine *eng)
+{
+	return eng->be_why;
+}
+
+PHX_EXPORT int phx_backend_check(uint32_t kind, const char **name, const char **desc)
+{
+	const struct phx_backend *be;
+	char why[256];
+	int saved = errno, ret;
+
+	if (kind != PHX_BACKEND_URING && kind != PHX_BACKEND_THREADS)
+		return phx_err(-EINVAL, "backend %u is neither PHX_BACKEND_URING nor _THREADS",
+			       kind);
+	be = backends[kind];
+	if (name)
+		*name = be->name;
+	if (desc)
+		*desc = be->desc;
+	ret = be->probe(why, sizeof(why));
+	errno = saved;
+	if (ret)	/* the reason is the whole text: no strerror appended */
+		phx_err(0, "%s", why);
+	return ret;
+}
+
 PHX_EXPORT int phx_engine_eventfd(phx_engine *eng)
 {
 	int fd, ret, saved = errno;
@@ -346,10 +356,10 @@ PHX_EXPORT int phx_engine_eventfd(phx_engine *eng)
 		fd = phx_err(-errno, "eventfd");
 		goto out;
 	}
-	ret = io_uring_register_eventfd(&eng->ring, fd);
+	ret = eng->be->eventfd(eng, fd);
 	if (ret < 0) {
 		close(fd);
-		fd = phx_err(ret, "io_uring_register_eventfd");
+		fd = ret;
 		goto out;
 	}
 	eng->efd = fd;
@@ -387,7 +397,6 @@ PHX_EXPORT void phx_engine_stats_reset(phx_engine *eng)
 PHX_EXPORT int phx_buf_register(phx_engine *eng, void *addr, size_t len)
 {
 	struct user_buf *slot = NULL;
-	struct iovec iov = { .iov_base = addr, .iov_len = len };
 	int ret, i;
 
 	if (!addr || !len)
@@ -412,8 +421,7 @@ PHX_EXPORT int phx_buf_register(phx_engine *eng, void *addr, size_t len)
 			      PHX_USER_BUF_SLOTS);
 		goto out;
 	}
-	ret = io_uring_register_buffers_update_tag(&eng->ring, slot->index, &iov,
-						   NULL, 1);
+	ret = eng->be->buf_update(eng, slot->index, addr, len);
 	if (ret < 0) {
 		phx_err(ret, "registering %zu bytes at %p as a fixed buffer%s", len, addr,
 			ret == -ENOMEM || ret == -EPERM ?
@@ -430,7 +438,6 @@ out:
 
 PHX_EXPORT int phx_buf_deregister(phx_engine *eng, void *addr)
 {
-	struct iovec iov = { 0 };
 	int ret = phx_err(-ENOENT, "buffer %p is not registered", addr);
 	uint32_t i, c;
 
@@ -446,8 +453,7 @@ PHX_EXPORT int phx_buf_deregister(phx_engine *eng, void *addr)
 				goto out;
 			}
 		}
-		ret = io_uring_register_buffers_update_tag(&eng->ring, b->index,
-							   &iov, NULL, 1);
+		ret = eng->be->buf_update(eng, b->index, NULL, 0);
 		if (ret < 0) {
 			phx_err(ret, "unregistering buffer %p", addr);
 			goto out;
@@ -463,273 +469,28 @@ out:
 }
 
 /* ------------------------------------------------------------------------ */
-/* Progress                                                                 */
+/* Progress: the backend's                                                  */
 /* ------------------------------------------------------------------------ */
-
-/*
- * Make prepared SQEs visible to the kernel without entering it (lock held).
- * Returns how many the kernel has not taken yet - including any an earlier
- * entry left behind (-EAGAIN, -EBUSY, or a submission that stopped early),
- * so whoever enters next always submits everything that is ready.
- * Several threads may enter at once; each submits what it finds, so counts
- * are only ever a hint.
- */
-static unsigned sq_publish(phx_engine *eng)
-{
-	struct io_uring_sq *sq = &eng->ring.sq;
-
-	if (sq->sqe_head != sq->sqe_tail) {
-		sq->sqe_head = sq->sqe_tail;
-		__atomic_store_n(sq->ktail, sq->sqe_tail, __ATOMIC_RELEASE);
-	}
-	eng->unsubmitted = 0;
-	return io_uring_sq_ready(&eng->ring);
-}
-
-static int enter_once(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
-{
-	unsigned flags = eng->enter_flags;
-
-	/* Deferred completion work runs only when we ask for events. */
-	if (wait_nr || (eng->features & PHX_FEAT_DEFER_TASKRUN))
-		flags |= IORING_ENTER_GETEVENTS;
-	return io_uring_enter(eng->enter_fd, to_submit, wait_nr, flags, NULL);
-}
-
-/*
- * Submit @to_submit SQEs in slices of submit_batch: the kernel prepares a
- * whole slice before the device sees any of it, so on a device with a few
- * microseconds per request (virtio, NVMe) slices keep it busy sooner;
- * measured on the dev box's virtio disk, 4 KiB random reads at QD 32 went
- * from ~0.88x to ~1.0x fio with slices of 4 (docs/bench-io.md).  The last
- * slice waits for @wait_nr completions.  Returns the last entry's result:
- * -EAGAIN / -EBUSY leave the rest in the ring for the next entry.
- */
-static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
-{
-	unsigned slice = eng->cfg.submit_batch;
-	int ret;
-
-	while (slice && to_submit > slice) {
-		ret = enter_once(eng, slice, 0);
-		if (ret == -EINTR)
-			continue;
-		if (ret <= 0)
-			return ret;
-		to_submit -= (unsigned)ret < to_submit ? (unsigned)ret : to_submit;
-	}
-	do {
-		ret = enter_once(eng, to_submit, wait_nr);
-	} while (ret == -EINTR);
-	return ret;
-}
 
 void engine_submit_locked(phx_engine *eng)
 {
-	unsigned n;
-
-	if (!eng->unsubmitted && !io_uring_sq_ready(&eng->ring))
-		return;
-	n = sq_publish(eng);
-	if (!n)
-		return;
-	eng->st.submits++;
-	/*
-	 * -EAGAIN (no memory for requests) and -EBUSY (completions not yet
-	 * reaped) leave the SQEs in the ring: the reaper submits them again
-	 * once it has reaped (engine_progress), with the lock dropped.
-	 */
-	ring_enter(eng, n, 0);
+	eng->be->submit(eng);
 }
 
-/* Fires after PHX_TICK_NS so that a chunk waiting on a claim is retried. */
 void engine_arm_tick(phx_engine *eng)
 {
-	struct io_uring_sqe *sqe;
-
-	if (eng->tick_armed)
-		return;
-	sqe = io_uring_get_sqe(&eng->ring);
-	if (!sqe)
-		return;
-	io_uring_prep_timeout(sqe, &eng->tick_ts, 0, 0);
-	io_uring_sqe_set_data(sqe, &eng->tick_ts);
-	eng->tick_armed = true;
-	eng->inflight++;
-	eng->unsubmitted++;
+	eng->be->arm_tick(eng);
 }
 
-/* Handle every completion already posted (lock held, reaping role held). */
-static unsigned reap_locked(phx_engine *eng)
+int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
+		    bool block)
 {
-	struct io_uring_cqe *cqes[64];
-	unsigned n, i, total = 0;
-
-	do {
-		n = io_uring_peek_batch_cqe(&eng->ring, cqes, 64);
-		for (i = 0; i < n; i++) {
-			void *data = io_uring_cqe_get_data(cqes[i]);
-			int res = cqes[i]->res;
-
-			io_uring_cqe_seen(&eng->ring, cqes[i]);
-			if (data == &eng->tick_ts) {
-				eng->tick_armed = false;
-				eng->inflight--;
-				continue;
-			}
-			io_complete_cqe(eng, data, res);
-		}
-		total += n;
-	} while (n == 64);
-	return total;
+	return eng->be->progress(eng, io, timeout_ns, block);
 }
-
-/*
- * The kernel took none of our SQEs (-EAGAIN, -EBUSY): wait without
- * spinning.  With requests of ours in the kernel, until one completes
- * (which frees what the kernel ran short of); otherwise a short sleep.
- */
-static int enter_backoff(phx_engine *eng, int ret, bool in_kernel)
-{
-	struct timespec ts = { 0, 50 * 1000 };
-
-	if (io_uring_cq_ready(&eng->ring))
-		return 0;
-	if (in_kernel) {
-		ret = enter_once(eng, 0, 1);
-		return ret == -EINTR ? 0 : ret;
-	}
-	nanosleep(&ts, NULL);
-	return 0;
-}
-
-/*
- * Submit @n published SQEs and wait for a completion; @in_kernel says
- * whether requests of ours were already in the kernel.  A completion often
- * follows within microseconds; spinning that long before sleeping saves a
- * wake-up at the price of CPU time (PHX_SPIN_NS; default 0, never spin).
- */
-static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel)
-{
-	int64_t until;
-	int ret;
-
-	if (io_uring_cq_ready(&eng->ring))
-		ret = n ? ring_enter(eng, n, 0) : 0;
-	else if (!eng->spin_ns)
-		ret = ring_enter(eng, n, 1);
-	else
-		ret = n ? ring_enter(eng, n, 0) : 0;
-	if (ret == -EAGAIN || ret == -EBUSY)
-		return enter_backoff(eng, ret, in_kernel);
-	if (ret < 0 || !eng->spin_ns || io_uring_cq_ready(&eng->ring))
-		return ret;
-	until = phx_now_ns() + eng->spin_ns;
-	do {
-		if (io_uring_cq_ready(&eng->ring))
-			return 0;
-		/* Completions may wait in task work until we enter the kernel. */
-		if (IO_URING_READ_ONCE(*eng->ring.sq.kflags) & IORING_SQ_TASKRUN)
-			enter_once(eng, 0, 0);
-	} while (phx_now_ns() < until);
-	return ring_enter(eng, 0, 1);
-}
-
 
 static bool io_is_done(struct phx_io *io)
 {
 	return __atomic_load_n(&io->done, __ATOMIC_ACQUIRE);
-}
-
-/*
- * Make progress until @io is done (or, with @io NULL, until one round of
- * completions was handled), @timeout_ns elapses, or - when !@block - at
- * once.  Returns 0, or -ETIME when the time ran out first.
- */
-int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
-		    bool block)
-{
-	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
-	struct io_uring_cqe *cqe;
-	int ret = 0;
-
-	pthread_mutex_lock(&eng->lock);
-	for (;;) {
-		io_fill(eng);
-		if (io && io_is_done(io)) {
-			engine_submit_locked(eng);
-			break;
-		}
-		/* A future reaper submits as it waits; everyone else now. */
-		if (eng->reaping || !block || deadline >= 0 || !eng->inflight)
-			engine_submit_locked(eng);
-		if (eng->reaping) {
-			if (!block)
-				break;
-			if (deadline < 0) {
-				pthread_cond_wait(&eng->cond, &eng->lock);
-			} else {
-				int64_t left = deadline - phx_now_ns();
-
-				if (left <= 0) {
-					ret = -ETIME;
-					break;
-				}
-				phx_cond_wait_ns(&eng->cond, &eng->lock, left);
-			}
-			if (!io)
-				break;
-			continue;
-		}
-		if (!eng->inflight) {
-			/* Nothing can complete: either done or blocked on nothing. */
-			break;
-		}
-		eng->reaping = true;
-		if (block) {
-			unsigned n = sq_publish(eng);
-			bool in_kernel = eng->inflight > n;
-
-			if (n)
-				eng->st.submits++;
-			pthread_mutex_unlock(&eng->lock);
-			if (deadline < 0) {
-				ret = reaper_wait(eng, n, in_kernel);
-				ret = ret < 0 ? ret : 0;
-			} else {
-				int64_t left = deadline - phx_now_ns();
-				struct __kernel_timespec kts = {
-					.tv_sec = left > 0 ? left / 1000000000 : 0,
-					.tv_nsec = left > 0 ? left % 1000000000 : 0,
-				};
-
-				ret = n ? ring_enter(eng, n, 0) : 0;
-				if (ret == -EAGAIN || ret == -EBUSY)
-					ret = enter_backoff(eng, ret, in_kernel);
-				if (ret >= 0)
-					ret = io_uring_wait_cqe_timeout(&eng->ring, &cqe, &kts);
-			}
-			pthread_mutex_lock(&eng->lock);
-		} else if (eng->features & PHX_FEAT_DEFER_TASKRUN) {
-			/* Run deferred completion work without waiting. */
-			enter_once(eng, 0, 0);
-		}
-		reap_locked(eng);
-		eng->reaping = false;
-		pthread_cond_broadcast(&eng->cond);
-		if (ret == -ETIME || (ret == 0 && deadline >= 0 && phx_now_ns() >= deadline &&
-				      !(io && io_is_done(io)))) {
-			ret = -ETIME;
-			break;
-		}
-		ret = 0;
-		if (!block || !io)
-			break;
-	}
-	if (ret == -ETIME && io && io_is_done(io))
-		ret = 0;
-	pthread_mutex_unlock(&eng->lock);
-	return ret;
 }
 
 /* ------------------------------------------------------------------------ */

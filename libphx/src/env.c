@@ -13,6 +13,7 @@
  * default.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,7 +27,9 @@
 static const char *const phx_settings[] = {
 	/* engine.c */
 	"PHX_QUEUE_DEPTH", "PHX_MAX_IO_SIZE", "PHX_BOUNCE_SIZE", "PHX_BOUNCE_COUNT",
-	"PHX_SUBMIT_BATCH", "PHX_SPIN_NS",
+	"PHX_SUBMIT_BATCH", "PHX_IO_THREADS",
+	/* be_uring.c */
+	"PHX_SPIN_NS",
 	/* cuda_context.c */
 	"PHX_CUDA_DEVICE", "PHX_CUDA_LANES", "PHX_CUDA_BUFS", "PHX_CUDA_BUF_SIZE",
 	"PHX_CUDA_MAX_IO", "PHX_CUDA_NO_BATCH_COPY", "PHX_CUDA_NO_MEMOPS",
@@ -72,6 +75,48 @@ uint32_t phx_env_u32(const char *name, uint32_t dflt)
 	return env_parse(name, &v) ? dflt : v;
 }
 
+/* The index of $name's value in @choices, -ENOENT unset or empty, -EINVAL none. */
+static int env_choice(const char *name, const char *const *choices)
+{
+	const char *s = getenv(name);
+	int i;
+
+	if (!s || !*s)
+		return -ENOENT;
+	for (i = 0; choices[i]; i++)
+		if (!strcmp(s, choices[i]))
+			return i;
+	return -EINVAL;
+}
+
+uint32_t phx_env_choice(const char *name, const char *const *choices, uint32_t dflt)
+{
+	int i = env_choice(name, choices);
+
+	return i < 0 ? dflt : (uint32_t)i;
+}
+
+/* A choice setting naming none of its choices: -EINVAL, the text lists them. */
+static int env_check_choices(void)
+{
+	size_t i, k, n;
+	char list[128];
+
+	for (i = 0; i < sizeof(phx_choice_settings) / sizeof(phx_choice_settings[0]); i++) {
+		const char *name = phx_choice_settings[i].name;
+		const char *const *ch = phx_choice_settings[i].choices;
+
+		if (env_choice(name, ch) != -EINVAL)
+			continue;
+		list[0] = 0;
+		for (k = 0, n = 0; ch[k] && n < sizeof(list); k++)
+			n += snprintf(list + n, sizeof(list) - n, "%s%s", k ? ", " : "", ch[k]);
+		return phx_err(-EINVAL, "%s=\"%.40s\" is none of %s; fix or unset it",
+			       name, getenv(name), list);
+	}
+	return 0;
+}
+
 int phx_env_check(void)
 {
 	size_t i;
@@ -85,18 +130,5 @@ int phx_env_check(void)
 				       "%s=\"%.40s\" is not a whole number of 32 bits (e.g. 64, 0x40, 4k, 1m); fix or unset it",
 				       name, getenv(name));
 	}
-	return 0;
-}
-
-uint32_t phx_env_choice(const char *name, const char *const *choices, uint32_t dflt)
-{
-	const char *s = getenv(name);
-	uint32_t i;
-
-	if (!s || !*s)
-		return dflt;
-	for (i = 0; choices[i]; i++)
-		if (!strcmp(s, choices[i]))
-			return i;
-	return dflt;
+	return env_check_choices();
 }

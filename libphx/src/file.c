@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * file.c - opening files on an engine: O_DIRECT, alignment, registration.
+ * file.c - opening files on an engine: O_DIRECT, alignment, registration
+ * (with the backend's fixed-file table, where it has one).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -47,7 +48,7 @@ static void file_register(phx_engine *eng, phx_file *f)
 	for (i = 0; i < eng->cfg.max_files; i++) {
 		if (eng->file_slots[i] != -1)
 			continue;
-		if (io_uring_register_files_update(&eng->ring, i, &f->fd, 1) == 1) {
+		if (eng->be->file_update(eng, (int)i, f->fd) == 0) {
 			eng->file_slots[i] = f->fd;
 			f->slot = (int)i;
 		}
@@ -57,11 +58,9 @@ static void file_register(phx_engine *eng, phx_file *f)
 
 static void file_unregister(phx_engine *eng, phx_file *f)
 {
-	int minus_one = -1;
-
 	if (f->slot < 0)
 		return;
-	io_uring_register_files_update(&eng->ring, f->slot, &minus_one, 1);
+	eng->be->file_update(eng, f->slot, -1);
 	eng->file_slots[f->slot] = -1;
 	f->slot = -1;
 }

@@ -3,8 +3,8 @@
  * internal.h - state shared by libphx's source files; not installed.
  *
  * Locking: one mutex per engine (eng->lock) protects everything below that
- * is not marked otherwise.  The completion queue is touched only by the
- * thread that holds eng->reaping (see engine.c).
+ * is not marked otherwise.  The io_uring completion queue is touched only by
+ * the thread that holds eng->u.uring.reaping (see be_uring.c).
  */
 #ifndef PHX_INTERNAL_H
 #define PHX_INTERNAL_H
@@ -118,9 +118,31 @@ static inline struct io_priv *io_priv(struct phx_io *io)
 	return (struct io_priv *)io->priv;
 }
 
+/*
+ * One device operation of a chunk, as io.c describes it to the backend
+ * (chunk_prep): what to do, on which descriptor, with which memory.
+ */
+enum dop_kind {
+	DOP_READ,
+	DOP_WRITE,
+	DOP_SYNC_RANGE,	/* sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER) */
+	DOP_DONTNEED,	/* posix_fadvise(POSIX_FADV_DONTNEED) */
+};
+
+struct devop {
+	uint8_t kind;		/* enum dop_kind */
+	int fd;			/* plain descriptor */
+	int slot;		/* registered-file index, or -1 */
+	int buf_index;		/* fixed-buffer index, or -1 */
+	char *mem;
+	uint64_t len;
+	uint64_t off;
+};
+
 struct chunk {
 	struct phx_io *io;
 	struct chunk *next_free;
+	struct chunk *next_op;	/* threads backend: its queue of device ops */
 	uint8_t kind;		/* enum chunk_kind */
 	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
 	bool in_use;
@@ -134,6 +156,7 @@ struct chunk {
 	uint64_t done;		/* bytes of the device op completed */
 	uint64_t user_off;	/* file range of caller data it carries */
 	uint64_t user_len;
+	struct devop dop;	/* the device op as last queued (chunk_prep) */
 };
 
 struct user_buf {
@@ -142,21 +165,81 @@ struct user_buf {
 	int index;		/* fixed-buffer index; 0 len = free slot */
 };
 
-struct phx_engine {
-	pthread_mutex_t lock;
-	pthread_cond_t cond;	/* signalled when a reaper finishes */
+/*
+ * A backend: how an engine's device operations reach the kernel.  One
+ * struct of functions per backend (be_uring.c, be_threads.c); io.c and
+ * engine.c never ask which one runs.  Functions marked "lock held" are
+ * called with eng->lock held.
+ */
+struct phx_backend {
+	const char *name;	/* "uring", "threads" (phx_engine_backend()) */
+	const char *desc;
+	/* Can it run here?  0, or -errno with the reason in @why. */
+	int (*probe)(char *why, size_t n);
+	/* Resources for @eng (features set here); -errno, phx_err() says why. */
+	int (*setup)(phx_engine *eng);
+	/* After the engine drained (nothing in flight). */
+	void (*teardown)(phx_engine *eng);
+	/* Queue @c's device op, described in c->dop (lock held). */
+	void (*queue)(phx_engine *eng, struct chunk *c);
+	/* Hand every queued op to the kernel or the workers (lock held). */
+	void (*submit)(phx_engine *eng);
+	/* Come back in PHX_TICK_NS: a write waits on another engine (lock held). */
+	void (*arm_tick)(phx_engine *eng);
+	/* engine_progress() below. */
+	int (*progress)(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
+			bool block);
+	/* Have @fd written when requests complete; -errno. */
+	int (*eventfd)(phx_engine *eng, int fd);
+	/* Fixed buffer @index := [addr, addr + len) (len 0: none); -errno (lock held). */
+	int (*buf_update)(phx_engine *eng, int index, void *addr, size_t len);
+	/* Fixed file @slot := @fd (-1: none); -errno (lock held). */
+	int (*file_update)(phx_engine *eng, int slot, int fd);
+};
+
+extern const struct phx_backend be_uring;
+extern const struct phx_backend be_threads;
+
+/* be_uring.c's state of an engine. */
+struct be_uring_state {
 	struct io_uring ring;
-	struct phx_engine_config cfg;
-	uint32_t features;
 	bool reaping;		/* a thread owns the completion queue */
-	uint32_t inflight;	/* chunks prepared or submitted */
-	uint32_t unsubmitted;	/* SQEs prepared since the last submit */
-	bool tick_armed;	/* a retry timeout is in flight (see io_fill) */
 	struct __kernel_timespec tick_ts;
 	int enter_fd;		/* ring fd, or its registered index */
 	unsigned enter_flags;	/* IORING_ENTER_REGISTERED_RING when registered */
-	pid_t owner_tid;	/* PHX_ENGINE_SINGLE_THREAD: the only thread allowed */
 	int64_t spin_ns;	/* how long a reaper spins before sleeping */
+};
+
+/* be_threads.c's state of an engine (all under eng->lock). */
+struct be_threads_state {
+	pthread_cond_t work;	/* idle workers sleep here */
+	struct chunk *head, *tail;	/* device ops no worker has taken */
+	uint32_t fresh;		/* ops queued since the last hand-over */
+	uint32_t max;		/* most workers (phx_engine_config.io_threads) */
+	uint32_t nthreads;	/* workers started (started lazily, up to max) */
+	uint32_t idle;		/* of those, asleep on work */
+	uint32_t woken;		/* of those, signalled and not yet awake */
+	pthread_t *tids;
+	bool tick_queued;	/* a tick waits for a worker */
+	bool stop;
+};
+
+struct phx_engine {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;	/* signalled when completions were handled */
+	struct phx_engine_config cfg;
+	uint32_t features;
+	const struct phx_backend *be;
+	char be_why[256];	/* why this backend runs (phx_engine_backend_reason) */
+	uint32_t inflight;	/* chunks prepared or submitted (and a tick) */
+	uint32_t unsubmitted;	/* ops queued but not yet handed over (uring) */
+	bool tick_armed;	/* a retry tick is in flight (see io_fill) */
+	pid_t owner_tid;	/* PHX_ENGINE_SINGLE_THREAD: the only thread allowed */
+
+	union {
+		struct be_uring_state uring;
+		struct be_threads_state threads;
+	} u;
 
 	struct chunk *chunks;	/* queue_depth of them */
 	struct chunk *free_chunks;
@@ -179,6 +262,12 @@ struct phx_engine {
 /* env.c */
 uint32_t phx_env_u32(const char *name, uint32_t dflt);
 int phx_env_check(void);
+/*
+ * The index of $name's value in @choices (NULL-terminated), else @dflt
+ * (phx_env_check() refuses a value that is none of them).
+ */
+uint32_t phx_env_choice(const char *name, const char *const *choices, uint32_t dflt);
+extern const char *const phx_engine_choices[];	/* PHX_ENGINE's */
 
 /* error.c */
 int phx_err(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -188,7 +277,8 @@ int io_validate(struct phx_io *io);
 void io_start(phx_engine *eng, struct phx_io *io, bool async);
 void io_fail(phx_engine *eng, struct phx_io *io, int err, bool async);
 void io_fill(phx_engine *eng);
-void io_complete_cqe(phx_engine *eng, struct chunk *c, int res);
+/* @c's device op ended with @res (bytes moved, or -errno): any backend calls it. */
+void io_complete_op(phx_engine *eng, struct chunk *c, int res);
 
 /* inode.c: process-wide write-range claims per inode */
 struct stat;
@@ -227,11 +317,17 @@ void inode_pend_del(struct phx_inode *n, struct phx_wpend *w);
 bool inode_write_result(struct phx_inode *n, uint64_t off, uint64_t len, bool ok);
 int inode_bad_check(struct phx_inode *n, uint64_t off, uint64_t len);
 
-/* engine.c */
-void engine_submit_locked(phx_engine *eng);
-void engine_arm_tick(phx_engine *eng);
+/* engine.c: what io.c and the backends call */
 int engine_thread_check(const phx_engine *eng);
 void engine_notify(phx_engine *eng);
+/* eng->be's submit, arm_tick and progress. */
+void engine_submit_locked(phx_engine *eng);
+void engine_arm_tick(phx_engine *eng);
+/*
+ * Make progress until @io is done (or, with @io NULL, until one round of
+ * completions was handled), @timeout_ns elapses, or - when !@block - at
+ * once.  Returns 0, or -ETIME when the time ran out first.
+ */
 int engine_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
 		    bool block);
 
@@ -281,5 +377,22 @@ static inline uint64_t align_up(uint64_t x, uint64_t a)
 {
 	return align_down(x + a - 1, a);
 }
+
+/*
+ * stats_pub.c: a struct of uint64_t counters published by field name (what
+ * engines and GPU contexts publish; phx.h, "Live counters").  @get fills a
+ * struct of at most STAT_STRUCT_MAX bytes.
+ */
+struct stat_field {
+	const char *name;
+	uint32_t off;
+};
+
+#define STAT_FIELD(type, f) { #f, (uint32_t)offsetof(type, f) }
+#define STAT_STRUCT_MAX 1024u
+
+int stats_add_struct(const char *kind, const char *label, const struct stat_field *fields,
+		     uint32_t n, void (*get)(void *obj, void *st), void *obj,
+		     phx_stats_source **out);
 
 #endif /* PHX_INTERNAL_H */

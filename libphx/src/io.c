@@ -194,44 +194,33 @@ static int user_buf_index(phx_engine *eng, const char *mem, uint64_t len)
 	return -1;
 }
 
-/* Put the chunk's (remaining) device op on the submission queue. */
+/* Describe the chunk's (remaining) device op and hand it to the backend. */
 static void chunk_prep(phx_engine *eng, struct chunk *c)
 {
-	struct io_uring_sqe *sqe = io_uring_get_sqe(&eng->ring);
 	phx_file *f = c->io->file;
-	bool fixed = f->slot >= 0 && !c->alt;
-	int fd = c->alt ? f->alt_fd : fixed ? f->slot : f->fd;
-	char *mem = c->mem + c->done;
-	unsigned len = (unsigned)(c->dev_len - c->done);
-	uint64_t off = c->dev_off + c->done;
+	struct devop *d = &c->dop;
 
-	/* Chunks (and the one retry tick) never outnumber ring entries. */
-	if (c->kind == CH_PC_SYNC) {
-		/* The whole claim: no folio in it may stay dirty (inode.c). */
-		io_uring_prep_sync_file_range(sqe, fd, (unsigned)c->wr.len, c->wr.off,
-					      SYNC_FILE_RANGE_WAIT_BEFORE |
-					      SYNC_FILE_RANGE_WRITE |
-					      SYNC_FILE_RANGE_WAIT_AFTER);
-	} else if (c->kind == CH_PC_DROP) {
-		/* Every folio the write touched lies inside the claim. */
-		io_uring_prep_fadvise(sqe, fd, c->wr.off, (off_t)c->wr.len,
-				      POSIX_FADV_DONTNEED);
-	} else if (c->buf_index >= 0) {
-		if (c->op == PHX_OP_READ)
-			io_uring_prep_read_fixed(sqe, fd, mem, len, off, c->buf_index);
-		else
-			io_uring_prep_write_fixed(sqe, fd, mem, len, off, c->buf_index);
-		eng->st.fixed_buf_ios++;
-	} else if (c->op == PHX_OP_READ) {
-		io_uring_prep_read(sqe, fd, mem, len, off);
+	d->fd = c->alt ? f->alt_fd : f->fd;
+	d->slot = c->alt ? -1 : f->slot;
+	d->buf_index = -1;
+	if (c->kind == CH_PC_SYNC || c->kind == CH_PC_DROP) {
+		/*
+		 * The whole claim: no folio in it may stay dirty, and every
+		 * folio the write touched lies inside it (inode.c).
+		 */
+		d->kind = c->kind == CH_PC_SYNC ? DOP_SYNC_RANGE : DOP_DONTNEED;
+		d->mem = NULL;
+		d->off = c->wr.off;
+		d->len = c->wr.len;
 	} else {
-		io_uring_prep_write(sqe, fd, mem, len, off);
+		d->kind = c->op == PHX_OP_READ ? DOP_READ : DOP_WRITE;
+		d->buf_index = c->buf_index;
+		d->mem = c->mem + c->done;
+		d->off = c->dev_off + c->done;
+		d->len = c->dev_len - c->done;
 	}
-	if (fixed)
-		sqe->flags |= IOSQE_FIXED_FILE;
-	io_uring_sqe_set_data(sqe, c);
-	eng->unsubmitted++;
 	eng->st.sqes++;
+	eng->be->queue(eng, c);
 }
 
 /*
@@ -501,7 +490,7 @@ static void pc_step(phx_engine *eng, struct chunk *c, int res)
 	chunk_done(eng, c);
 }
 
-void io_complete_cqe(phx_engine *eng, struct chunk *c, int res)
+void io_complete_op(phx_engine *eng, struct chunk *c, int res)
 {
 	struct io_priv *p = io_priv(c->io);
 	uint64_t a = c->io->file->offset_align;

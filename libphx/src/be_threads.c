@@ -1,0 +1,351 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * be_threads.c - the thread-pool backend: where io_uring cannot be had
+ * (containers' seccomp profiles refuse io_uring_setup), or when asked for.
+ *
+ * Device ops queue on the engine (under eng->lock) and a pool of workers
+ * runs each as one blocking preadv2/pwritev2 (sync_file_range,
+ * posix_fadvise for the partial-block flush) on the same O_DIRECT
+ * descriptors and memory io_uring would use.  The worker that ran an op
+ * also completes it: it takes the lock, hands the result to io.c exactly
+ * as a CQE would be (io_complete_op: short transfers continued, bounce
+ * copies, read-modify-write halves, claims released), cuts the next chunks
+ * (io_fill) and wakes the waiters.  So requests move on with nobody
+ * waiting, as they do in the kernel with io_uring, and every rule of io.c
+ * (alignment, bounce, short I/O, write claims, counters) holds unchanged.
+ *
+ * One worker starts with the engine, more whenever an op is queued and no
+ * idle one can take it, up to io_threads (default: the queue depth, at
+ * most 64): as many blocking calls in flight as io_uring would have
+ * requests in the device.  They
+ * block every signal (a caller's handlers run in the caller's threads)
+ * and live until the engine is destroyed.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define THREADS_DEFAULT_MAX 64u
+/* A worker's stack: it calls one syscall and io.c's completion. */
+#define THREADS_STACK (256u << 10)
+
+static int threads_probe(char *why, size_t n)
+{
+	snprintf(why, n, "preadv2/pwritev2 on a pool of threads: always available");
+	return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Workers                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* One device op, blocking; bytes moved or -errno, as a CQE's res. */
+static int op_run(const struct devop *d)
+{
+	struct iovec iov = { .iov_base = d->mem, .iov_len = d->len };
+	ssize_t r;
+	int ret;
+
+	switch (d->kind) {
+	case DOP_READ:
+		r = preadv2(d->fd, &iov, 1, (off_t)d->off, 0);
+		break;
+	case DOP_WRITE:
+		r = pwritev2(d->fd, &iov, 1, (off_t)d->off, 0);
+		break;
+	case DOP_SYNC_RANGE:
+		r = sync_file_range(d->fd, (off_t)d->off, (off_t)d->len,
+				    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+				    SYNC_FILE_RANGE_WAIT_AFTER);
+		break;
+	default:
+		/* posix_fadvise returns the error number itself */
+		ret = posix_fadvise(d->fd, (off_t)d->off, (off_t)d->len, POSIX_FADV_DONTNEED);
+		return -ret;
+	}
+	/* io_uring ignores the offset of a pipe or socket (a stream): so do we */
+	if (r < 0 && errno == ESPIPE && (d->kind == DOP_READ || d->kind == DOP_WRITE))
+		r = d->kind == DOP_READ ? readv(d->fd, &iov, 1) : writev(d->fd, &iov, 1);
+	return r < 0 ? -errno : (int)r;
+}
+
+static struct chunk *op_pop(struct be_threads_state *t)
+{
+	struct chunk *c = t->head;
+
+	if (c) {
+		t->head = c->next_op;
+		if (!t->head)
+			t->tail = NULL;
+		c->next_op = NULL;
+	}
+	return c;
+}
+
+static void handover(phx_engine *eng, uint32_t mine);
+
+/*
+ * After an op or a tick (lock held): cut what can go next, hand it over
+ * (the first op is this worker's next), wake the waiters.
+ */
+static void worker_after(phx_engine *eng)
+{
+	io_fill(eng);
+	handover(eng, 1);
+	pthread_cond_broadcast(&eng->cond);
+}
+
+/* The claim-retry tick: what io_uring's timeout SQE does (io.c, io_fill). */
+static void worker_tick(phx_engine *eng)
+{
+	struct timespec ts = { 0, PHX_TICK_NS };
+
+	pthread_mutex_unlock(&eng->lock);
+	nanosleep(&ts, NULL);
+	pthread_mutex_lock(&eng->lock);
+	eng->tick_armed = false;
+	eng->inflight--;
+	worker_after(eng);
+}
+
+static void *worker_main(void *arg)
+{
+	phx_engine *eng = arg;
+	struct be_threads_state *t = &eng->u.threads;
+	struct chunk *c;
+	struct devop d;
+	int res;
+
+	pthread_mutex_lock(&eng->lock);
+	for (;;) {
+		if (t->tick_queued) {
+			t->tick_queued = false;
+			worker_tick(eng);
+			continue;
+		}
+		c = op_pop(t);
+		if (!c) {
+			if (t->stop)
+				break;
+			t->idle++;
+			pthread_cond_wait(&t->work, &eng->lock);
+			t->idle--;
+			/* a wake-up is one handover() counted (or spurious: then
+			 * handover() under-counts the idle, costing only overlap) */
+			if (t->woken)
+				t->woken--;
+			continue;
+		}
+		d = c->dop;
+		pthread_mutex_unlock(&eng->lock);
+		res = op_run(&d);
+		pthread_mutex_lock(&eng->lock);
+		io_complete_op(eng, c, res);
+		worker_after(eng);
+	}
+	pthread_mutex_unlock(&eng->lock);
+	return NULL;
+}
+
+/* One more worker, with every signal blocked (lock held); -errno. */
+static int worker_start(phx_engine *eng)
+{
+	struct be_threads_state *t = &eng->u.threads;
+	sigset_t all, old;
+	pthread_attr_t attr;
+	int ret;
+
+	sigfillset(&all);
+	pthread_attr_init(&attr);
+	pthread_attr_setstacksize(&attr, THREADS_STACK);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	ret = pthread_create(&t->tids[t->nthreads], &attr, worker_main, eng);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&attr);
+	if (ret)
+		return -ret;
+	t->nthreads++;
+	return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The backend                                                              */
+/* ------------------------------------------------------------------------ */
+
+static void threads_queue(phx_engine *eng, struct chunk *c)
+{
+	struct be_threads_state *t = &eng->u.threads;
+
+	c->next_op = NULL;
+	if (t->tail)
+		t->tail->next_op = c;
+	else
+		t->head = c;
+	t->tail = c;
+	t->fresh++;
+}
+
+/*
+ * Hand fresh ops over (lock held): wake an idle worker for each, and start
+ * workers (up to the maximum) for those no idle one can take.  @mine ops
+ * are the caller's own: a worker that just finished takes the next itself.
+ * A worker that cannot be started leaves its op to the ones there are (at
+ * least one: threads_setup starts it).
+ */
+static void handover(phx_engine *eng, uint32_t mine)
+{
+	struct be_threads_state *t = &eng->u.threads;
+	uint32_t want = t->fresh + (t->tick_queued ? 1 : 0), avail, wake;
+
+	if (!want)
+		return;
+	eng->st.submits++;
+	t->fresh = 0;
+	want = want > mine ? want - mine : 0;
+	avail = t->idle > t->woken ? t->idle - t->woken : 0;
+	wake = want < avail ? want : avail;
+	t->woken += wake;
+	want -= wake;
+	while (wake--)
+		pthread_cond_signal(&t->work);
+	while (want-- && t->nthreads < t->max && !worker_start(eng))
+		;
+}
+
+static void threads_submit(phx_engine *eng)
+{
+	handover(eng, 0);
+}
+
+static void threads_arm_tick(phx_engine *eng)
+{
+	if (eng->tick_armed)
+		return;
+	eng->tick_armed = true;
+	eng->u.threads.tick_queued = true;
+	eng->inflight++;
+}
+
+static bool io_is_done(struct phx_io *io)
+{
+	return __atomic_load_n(&io->done, __ATOMIC_ACQUIRE);
+}
+
+/*
+ * Workers complete ops themselves: a caller only waits for them to say so
+ * (eng->cond), after cutting and handing over what it can.
+ */
+static int threads_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns,
+			    bool block)
+{
+	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
+	int ret = 0;
+
+	pthread_mutex_lock(&eng->lock);
+	for (;;) {
+		io_fill(eng);
+		threads_submit(eng);
+		if ((io && io_is_done(io)) || !block || !eng->inflight)
+			break;
+		if (deadline < 0) {
+			pthread_cond_wait(&eng->cond, &eng->lock);
+		} else {
+			int64_t left = deadline - phx_now_ns();
+
+			if (left <= 0) {
+				ret = -ETIME;
+				break;
+			}
+			phx_cond_wait_ns(&eng->cond, &eng->lock, left);
+		}
+		if (!io)
+			break;
+	}
+	if (ret == -ETIME && io && io_is_done(io))
+		ret = 0;
+	pthread_mutex_unlock(&eng->lock);
+	return ret;
+}
+
+static int threads_setup(phx_engine *eng)
+{
+	struct be_threads_state *t = &eng->u.threads;
+	int ret;
+
+	memset(t, 0, sizeof(*t));
+	t->max = eng->cfg.io_threads;
+	if (!t->max)
+		t->max = eng->cfg.queue_depth < THREADS_DEFAULT_MAX ?
+			eng->cfg.queue_depth : THREADS_DEFAULT_MAX;
+	t->tids = calloc(t->max, sizeof(*t->tids));
+	if (!t->tids)
+		return phx_err(-ENOMEM, "out of memory");
+	pthread_cond_init(&t->work, NULL);
+	/* one worker now, so that every queued op has one to run it */
+	ret = worker_start(eng);
+	if (ret) {
+		pthread_cond_destroy(&t->work);
+		free(t->tids);
+		return phx_err(ret, "cannot start an I/O thread");
+	}
+	/* registration is kept and checked (engine.c) but fixes nothing here */
+	eng->features |= PHX_FEAT_USER_BUFS;
+	return 0;
+}
+
+/* Nothing is in flight any more (phx_engine_destroy drained the engine). */
+static void threads_teardown(phx_engine *eng)
+{
+	struct be_threads_state *t = &eng->u.threads;
+	uint32_t i;
+
+	pthread_mutex_lock(&eng->lock);
+	t->stop = true;
+	pthread_cond_broadcast(&t->work);
+	pthread_mutex_unlock(&eng->lock);
+	for (i = 0; i < t->nthreads; i++)
+		pthread_join(t->tids[i], NULL);
+	pthread_cond_destroy(&t->work);
+	free(t->tids);
+	t->tids = NULL;
+	t->nthreads = 0;
+}
+
+/* Async completions write the eventfd from io.c (engine_notify): no more to do. */
+static int threads_eventfd(phx_engine *eng, int fd)
+{
+	return 0;
+}
+
+static int threads_buf_update(phx_engine *eng, int index, void *addr, size_t len)
+{
+	return 0;
+}
+
+static int threads_file_update(phx_engine *eng, int slot, int fd)
+{
+	return -EOPNOTSUPP;
+}
+
+const struct phx_backend be_threads = {
+	.name = "threads",
+	.desc = "a pool of threads calling preadv2/pwritev2 (no io_uring needed)",
+	.probe = threads_probe,
+	.setup = threads_setup,
+	.teardown = threads_teardown,
+	.queue = threads_queue,
+	.submit = threads_submit,
+	.arm_tick = threads_arm_tick,
+	.progress = threads_progress,
+	.eventfd = threads_eventfd,
+	.buf_update = threads_buf_update,
+	.file_update = threads_file_update,
+};
