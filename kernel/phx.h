@@ -35,17 +35,18 @@ struct phx_pci;
  * struct phx_provider - a source of device memory.
  * @name: for messages.
  * @owner: the module implementing it (held while a registration uses it).
- * @revocable: the memory's owner can take it back at any time (a free
- *	callback): long-term pins are refused on such registrations.
  * @acquire: validate @arg, check the rights of @file's opener, fill
  *	reg->ranges (kvmalloc'ed, freed by the core), reg->nr_ranges,
- *	reg->pdev (a reference) and reg->bar; 0 or -errno.
- * @release: undo @acquire (may sleep).
+ *	reg->pdev (a reference) and reg->bar; 0 or -errno.  The memory must
+ *	stay the registration's until @release: phx has no way to take
+ *	back a page that I/O or a pipe still holds, so a provider whose
+ *	memory can be revoked by its owner (a free callback) must refuse.
+ * @release: undo @acquire (may sleep; runs on phx's workqueue, in no
+ *	particular process, once no page of the registration is referenced).
  */
 struct phx_provider {
 	const char *name;
 	struct module *owner;
-	bool revocable;
 	int (*acquire)(struct phx_reg *reg, const struct phx_register *arg,
 		       struct file *file);
 	void (*release)(struct phx_reg *reg);
@@ -54,7 +55,8 @@ struct phx_provider {
 /**
  * struct phx_reg - one registered range of device memory.
  * @kref: held by the owning file's list, by every VMA mapping it and by
- *	a queued teardown.
+ *	a queued teardown.  Each registration also holds phx.ko until it is
+ *	freed, so rmmod is refused (not blocked) while a teardown waits.
  * @node: in the owning file's list (under phx_file.lock).
  * @handle: user-visible id, unique in the module.
  * @mmap_off: byte offset of the mapping window in the device file.
@@ -65,6 +67,7 @@ struct phx_provider {
  * @pdev: the PCI device holding the memory (a reference), or NULL.
  * @bar: its BAR index, or -1.
  * @flags: PHX_REG_* from the caller.
+ * @uid: the user charged for it (per-user limits), until its pages are gone.
  * @mode: PHX_MODE_*.
  * @status: PHX_ST_*.
  * @nr_ranges: entries in @ranges.
@@ -78,10 +81,13 @@ struct phx_provider {
  *	while the pages are created.
  * @live: pages exist and may be mapped.
  * @revoked: revocation started; the registration never goes live again.
- * @ever_live: it went live once, so a teardown will complete @quiesced.
- * @finish_work: the teardown after revocation (waits for I/O).
- * @quiesced: completed when no I/O holds a page any more (after revoke).
- * @done: completed when the pages are gone.
+ * @charged: @uid is charged for it.
+ * @finish_work: the teardown after revocation: polls (never sleeps in a
+ *	worker) until no page is referenced, then removes the pages.
+ * @scan_idx: pages below it were seen idle by the teardown (after the
+ *	revocation nothing can take a new reference, so they stay idle).
+ * @busy_counted: the teardown counts in phx_nr_pages_busy().
+ * @done: completed when the pages are gone and the provider released.
  */
 struct phx_reg {
 	struct kref kref;
@@ -95,6 +101,7 @@ struct phx_reg {
 	struct pci_dev *pdev;
 	int bar;
 	u32 flags;
+	kuid_t uid;
 	u32 mode;
 	u32 status;
 	unsigned int nr_ranges;
@@ -106,16 +113,16 @@ struct phx_reg {
 	struct mutex lock;		/* see @lock above */
 	bool live;
 	bool revoked;
-	bool ever_live;
-	struct work_struct finish_work;
-	struct completion quiesced;
+	bool charged;
+	struct delayed_work finish_work;
+	unsigned long scan_idx;
+	bool busy_counted;
 	struct completion done;
 };
 
-/* the provider interface (exported for phx_nv.ko) */
+/* the provider interface (exported, GPL-only, for phx_nv.ko) */
 int phx_provider_register(u32 id, const struct phx_provider *prov);
 void phx_provider_unregister(u32 id);
-bool phx_reg_provider_revoke(struct phx_reg *reg);
 
 /* phx_main.c */
 extern unsigned long long phx_max_reg_bytes;
@@ -132,12 +139,14 @@ int phx_mem_create(struct phx_reg *reg);
 void phx_mem_destroy(struct phx_reg *reg);
 u32 phx_mem_dev_status(struct pci_dev *pdev);
 u32 phx_mem_module_status(void);
+u32 phx_mem_initiator_status(void);
 
 /* phx_pci.c: devices bound to phx (one P2PDMA publication each) */
 int phx_pci_init(void);
 void phx_pci_exit(void);
-struct phx_pci *phx_pci_of(struct pci_dev *pdev);
-int phx_pci_claim(struct phx_reg *reg);
+struct phx_pci *phx_pci_get(struct pci_dev *pdev);
+void phx_pci_put(struct phx_pci *pp);
+int phx_pci_claim(struct phx_pci *pp, struct phx_reg *reg);
 void phx_pci_unclaim(struct phx_reg *reg);
 
 /* phx_ioctl.c */

@@ -7,13 +7,16 @@
  * Lifetimes: a registration (struct phx_reg) is owned by the file that
  * created it.  Every VMA mapping it holds a reference; every VMA also holds
  * the file (vm_file), which holds the module, so rmmod is refused while any
- * mapping exists.  Teardown (unregister, close, provider revocation) zaps
- * all user PTEs, waits until no I/O holds a page, then removes the pages.
+ * mapping exists.  Teardown (unregister, close, unbinding a phx-bound
+ * device) zaps all user PTEs, waits until nothing holds a page (I/O, a
+ * pipe, a fixed buffer: however long that takes), then removes the pages
+ * and only then gives the memory back to its provider.  A registration
+ * holds phx.ko until it is freed, so rmmod is refused while one waits.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/atomic.h>
-#include <linux/delay.h>
+#include <linux/cred.h>
 #include <linux/fs.h>
 #include <linux/idr.h>
 #include <linux/miscdevice.h>
@@ -31,10 +34,15 @@ module_param_named(max_reg_bytes, phx_max_reg_bytes, ullong, 0644);
 MODULE_PARM_DESC(max_reg_bytes,
 		 "Largest registration in bytes (struct pages cost 1/64 of it in RAM)");
 
-static unsigned int phx_revoke_wait_ms = 10000;
-module_param_named(revoke_wait_ms, phx_revoke_wait_ms, uint, 0644);
-MODULE_PARM_DESC(revoke_wait_ms,
-		 "How long a provider's revocation (NVIDIA free callback) waits for DMA in flight");
+static unsigned long long phx_max_user_bytes = 1ULL << 40;
+module_param_named(max_user_bytes, phx_max_user_bytes, ullong, 0644);
+MODULE_PARM_DESC(max_user_bytes,
+		 "Bytes one user may have registered, including registrations still being torn down");
+
+static unsigned int phx_max_user_regs = 1024;
+module_param_named(max_user_regs, phx_max_user_regs, uint, 0644);
+MODULE_PARM_DESC(max_user_regs,
+		 "Registrations one user may have, including those still being torn down");
 
 static DEFINE_IDA(phx_ida);
 static atomic64_t phx_regs_live = ATOMIC64_INIT(0);
@@ -59,9 +67,12 @@ static const struct phx_provider *phx_providers[PHX_NR_PROVIDERS] = {
 };
 
 /*
- * The provider interface is exported without _GPL on purpose: phx_nv.ko
- * links against the NVIDIA driver's symbols, and a module that imports
- * from a proprietary module may not use GPL-only exports.
+ * The provider interface is GPL-only: behind it are GPL-only kernel
+ * interfaces (memremap_pages() and ZONE_DEVICE), which a module linked
+ * against a proprietary one must not reach through phx.  phx_nv.ko
+ * therefore loads only against a GPL-compatible NVIDIA driver (the open
+ * kernel modules are "Dual MIT/GPL"); the kernel refuses it next to the
+ * proprietary one.
  */
 
 /**
@@ -85,7 +96,7 @@ int phx_provider_register(u32 id, const struct phx_provider *prov)
 	mutex_unlock(&phx_prov_lock);
 	return ret;
 }
-EXPORT_SYMBOL(phx_provider_register);
+EXPORT_SYMBOL_GPL(phx_provider_register);
 
 /**
  * phx_provider_unregister - withdraw the provider of @id.
@@ -102,7 +113,7 @@ void phx_provider_unregister(u32 id)
 	phx_providers[id] = NULL;
 	mutex_unlock(&phx_prov_lock);
 }
-EXPORT_SYMBOL(phx_provider_unregister);
+EXPORT_SYMBOL_GPL(phx_provider_unregister);
 
 /* The provider of @id with a reference on its module, or NULL. */
 static const struct phx_provider *phx_provider_get(u32 id)
@@ -144,6 +155,95 @@ static int phx_user_errno(int err)
 }
 
 /* ---------------------------------------------------------------------- */
+/* Per-user limits                                                          */
+
+/*
+ * What each user has registered, counted until the pages are gone (so a
+ * teardown held up by a pipe still counts).  Registrations cost host
+ * memory (struct pages, 1/64 of the size, allocated by memory hotplug,
+ * which no memcg is charged for) and a memory hotplug each: without a
+ * limit one member of the phx group could exhaust both.
+ */
+struct phx_user {
+	struct list_head node;
+	kuid_t uid;
+	u64 bytes;
+	unsigned int regs;
+};
+
+static DEFINE_MUTEX(phx_users_lock);
+static LIST_HEAD(phx_users);
+
+static struct phx_user *phx_user_find(kuid_t uid)
+{
+	struct phx_user *u;
+
+	list_for_each_entry(u, &phx_users, node)
+		if (uid_eq(u->uid, uid))
+			return u;
+	return NULL;
+}
+
+/* Charge reg->uid for @reg; -EDQUOT past a limit. */
+static int phx_user_charge(struct phx_reg *reg)
+{
+	struct phx_user *u;
+	int ret = 0;
+
+	mutex_lock(&phx_users_lock);
+	u = phx_user_find(reg->uid);
+	if (!u) {
+		u = kzalloc(sizeof(*u), GFP_KERNEL_ACCOUNT);
+		if (!u) {
+			ret = -ENOMEM;
+			goto out;
+		}
+		u->uid = reg->uid;
+		list_add(&u->node, &phx_users);
+	}
+	if (u->regs >= READ_ONCE(phx_max_user_regs) ||
+	    reg->length > READ_ONCE(phx_max_user_bytes) - min(u->bytes,
+							      READ_ONCE(phx_max_user_bytes))) {
+		pr_info_ratelimited("uid %u: registration refused: %u registrations and %llu bytes held (max_user_regs %u, max_user_bytes %llu)\n",
+				    from_kuid(&init_user_ns, reg->uid), u->regs,
+				    u->bytes, phx_max_user_regs,
+				    phx_max_user_bytes);
+		ret = -EDQUOT;
+	} else {
+		u->regs++;
+		u->bytes += reg->length;
+		reg->charged = true;
+	}
+	if (!u->regs) {
+		list_del(&u->node);
+		kfree(u);
+	}
+out:
+	mutex_unlock(&phx_users_lock);
+	return ret;
+}
+
+static void phx_user_uncharge(struct phx_reg *reg)
+{
+	struct phx_user *u;
+
+	if (!reg->charged)
+		return;
+	mutex_lock(&phx_users_lock);
+	u = phx_user_find(reg->uid);
+	if (!WARN_ON_ONCE(!u)) {
+		u->regs--;
+		u->bytes -= reg->length;
+		if (!u->regs) {
+			list_del(&u->node);
+			kfree(u);
+		}
+	}
+	reg->charged = false;
+	mutex_unlock(&phx_users_lock);
+}
+
+/* ---------------------------------------------------------------------- */
 /* Registrations                                                            */
 
 /**
@@ -182,7 +282,7 @@ static int phx_reg_index(struct phx_reg *reg)
 
 	if (!reg->nr_ranges || !reg->ranges)
 		return -EINVAL;
-	reg->chunk_pfn = kvcalloc(nr, sizeof(*reg->chunk_pfn), GFP_KERNEL);
+	reg->chunk_pfn = kvcalloc(nr, sizeof(*reg->chunk_pfn), GFP_KERNEL_ACCOUNT);
 	if (!reg->chunk_pfn)
 		return -ENOMEM;
 	for (r = 0; r < reg->nr_ranges; r++) {
@@ -218,53 +318,19 @@ static void phx_reg_free(struct kref *kref)
 
 	if (WARN_ON_ONCE(reg->live))
 		return;
+	phx_user_uncharge(reg);
 	if (reg->handle)
 		ida_free(&phx_ida, reg->handle);
 	pci_dev_put(reg->pdev);
 	kvfree(reg->chunk_pfn);
 	kvfree(reg->ranges);
 	kfree(reg);
+	module_put(THIS_MODULE);	/* taken in phx_register() */
 }
 
 void phx_reg_put(struct phx_reg *reg)
 {
 	kref_put(&reg->kref, phx_reg_free);
-}
-
-/*
- * Wait until no one but phx holds a page: I/O in flight pinned pages
- * through GUP before the PTEs were zapped.  Nothing can take a new
- * reference once the PTEs are gone and reg->live is false.  phx keeps
- * every idle page at count 1 (phx_mem_create() takes that reference where
- * the kernel leaves idle pages at 0), so "busy" is "count > 1" on every
- * kernel.
- */
-static void phx_reg_wait_idle(struct phx_reg *reg)
-{
-	unsigned long nr = reg->length >> PAGE_SHIFT, idx, waited = 0;
-
-	/* GUP-fast runs with interrupts off: let racing walkers finish. */
-	synchronize_rcu();
-	for (idx = 0; idx < nr; idx++) {
-		struct page *page = phx_reg_page(reg, idx);
-		bool counted = false;
-
-		while (page_ref_count(page) > 1) {
-			if (!counted) {
-				atomic64_inc(&phx_pages_busy);
-				counted = true;
-			}
-			msleep(20);
-			waited += 20;
-			if (waited % 10000 == 0)
-				pr_info("handle %u: waiting for I/O on its pages (%lu s)\n",
-					reg->handle, waited / 1000);
-		}
-		if (counted)
-			atomic64_dec(&phx_pages_busy);
-		if (idx % 4096 == 4095)
-			cond_resched();
-	}
 }
 
 /**
@@ -275,8 +341,8 @@ static void phx_reg_wait_idle(struct phx_reg *reg)
  * of the registration.  PTEs are only ever inserted by the fault handler,
  * under @lock and into VMAs that are in the file's mapping tree, so none
  * survives the zap and none is inserted after.  Later CPU access gets
- * SIGBUS, later I/O -EFAULT.  Pages pinned by I/O already in flight stay
- * valid until the teardown saw them go.
+ * SIGBUS, later I/O -EFAULT.  Pages already referenced (I/O in flight, a
+ * pipe, a fixed buffer) stay valid until the teardown saw them go.
  *
  * Return: true for the caller that took a live registration down, which
  * must then see to the teardown; false otherwise.
@@ -296,86 +362,81 @@ bool phx_reg_revoke(struct phx_reg *reg)
 	return was_live;
 }
 
-/* True when no I/O holds a page of @reg (revoked: nothing new can). */
+/*
+ * True when no one but phx holds a page of @reg (revoked: nothing can
+ * take a new reference).  phx keeps every idle page at count 1
+ * (phx_mem_create() takes that reference where the kernel leaves idle
+ * pages at 0), so "busy" is "count > 1" on every kernel.  Resumes where
+ * the last call stopped: a page seen idle stays idle.
+ */
 static bool phx_reg_quiet(struct phx_reg *reg)
 {
-	unsigned long nr = reg->length >> PAGE_SHIFT, idx;
+	unsigned long nr = reg->length >> PAGE_SHIFT;
 
-	synchronize_rcu();
-	for (idx = 0; idx < nr; idx++)
-		if (page_ref_count(phx_reg_page(reg, idx)) > 1)
+	/* GUP-fast runs with interrupts off: let racing walkers finish. */
+	if (!reg->scan_idx)
+		synchronize_rcu();
+	for (; reg->scan_idx < nr; reg->scan_idx++) {
+		if (page_ref_count(phx_reg_page(reg, reg->scan_idx)) > 1)
 			return false;
+		if (reg->scan_idx % 4096 == 4095)
+			cond_resched();
+	}
 	return true;
 }
 
-/* After the revocation: wait for in-flight I/O, remove the pages. */
+/* The pages are idle: remove them, give the memory back. */
 static void phx_reg_finish_now(struct phx_reg *reg)
 {
-	phx_reg_wait_idle(reg);
-	complete_all(&reg->quiesced);
+	if (reg->busy_counted)
+		atomic64_dec(&phx_pages_busy);
+	reg->busy_counted = false;
 	phx_mem_destroy(reg);
 	if (reg->prov->release)
 		reg->prov->release(reg);
 	module_put(reg->prov->owner);
+	phx_user_uncharge(reg);
 	atomic64_dec(&phx_regs_live);
 	complete_all(&reg->done);
 }
 
+static struct workqueue_struct *phx_wq;
+
 /*
- * The same on phx_wq, so that close() and process exit never wait for I/O
- * (io_uring may hold pages until its ring is torn down, after our file);
- * module exit drains phx_wq.
+ * The teardown after a revocation, on phx_wq.  Pages may be held for any
+ * time (a pipe that vmsplice filled, a fixed buffer, an I/O in its
+ * timeout): until none is, nothing is given back, and the work polls
+ * instead of sleeping in a worker.  It holds a registration reference.
  */
 static void phx_reg_finish(struct work_struct *work)
 {
-	struct phx_reg *reg = container_of(work, struct phx_reg, finish_work);
+	struct phx_reg *reg = container_of(to_delayed_work(work), struct phx_reg,
+					   finish_work);
 
+	if (!phx_reg_quiet(reg)) {
+		if (!reg->busy_counted)
+			atomic64_inc(&phx_pages_busy);
+		reg->busy_counted = true;
+		queue_delayed_work(phx_wq, &reg->finish_work, msecs_to_jiffies(20));
+		return;
+	}
 	phx_reg_finish_now(reg);
 	phx_reg_put(reg);
 }
 
-static struct workqueue_struct *phx_wq;
+/* Queue the teardown of a revoked registration (once). */
+static void phx_reg_queue_finish(struct phx_reg *reg)
+{
+	kref_get(&reg->kref);		/* put by phx_reg_finish() */
+	queue_delayed_work(phx_wq, &reg->finish_work, 0);
+}
 
 /* Revoke @reg and queue the rest of its teardown (if not done already). */
 void phx_reg_revoke_async(struct phx_reg *reg)
 {
-	if (!phx_reg_revoke(reg))
-		return;
-	kref_get(&reg->kref);		/* put by phx_reg_finish() */
-	queue_work(phx_wq, &reg->finish_work);
+	if (phx_reg_revoke(reg))
+		phx_reg_queue_finish(reg);
 }
-
-/**
- * phx_reg_provider_revoke - the provider's memory is being taken away.
- * @reg: the registration (the provider holds it until its release).
- *
- * For a provider's free callback: revokes @reg (or joins a revocation
- * already under way) and waits, at most revoke_wait_ms, until no DMA into
- * the memory is in flight.  The pages themselves go later, on phx_wq.
- * A registration that never went live had no user, so nothing is waited
- * for.  May sleep.
- *
- * Return: true when no DMA is in flight any more, false after the time-out
- * (logged: the memory may still be written).
- */
-bool phx_reg_provider_revoke(struct phx_reg *reg)
-{
-	bool ever_live;
-
-	phx_reg_revoke_async(reg);
-	mutex_lock(&reg->lock);
-	ever_live = reg->ever_live;
-	mutex_unlock(&reg->lock);
-	if (!ever_live)
-		return true;
-	if (wait_for_completion_timeout(&reg->quiesced,
-					msecs_to_jiffies(phx_revoke_wait_ms)))
-		return true;
-	pr_err("handle %u: I/O still in flight %u ms after the memory was revoked by its owner; it may land in freed memory\n",
-	       reg->handle, phx_revoke_wait_ms);
-	return false;
-}
-EXPORT_SYMBOL(phx_reg_provider_revoke);
 
 /* ---------------------------------------------------------------------- */
 /* The per-open state                                                       */
@@ -426,21 +487,20 @@ static struct phx_reg *phx_file_find_off(struct phx_file *pf, u64 off)
 	return NULL;
 }
 
-/* Make @reg live unless it was revoked while its pages were created. */
+/* Make @reg live unless it was revoked (unbind) while being set up. */
 static int phx_reg_go_live(struct phx_reg *reg)
 {
 	int ret;
 
 	mutex_lock(&reg->lock);
 	if (reg->revoked) {
-		ret = -EFAULT;		/* the owner took the memory back */
+		ret = -ENODEV;		/* its device went away meanwhile */
 		goto out;
 	}
 	ret = phx_mem_create(reg);
 	if (ret)
 		goto out;
 	reg->live = true;
-	reg->ever_live = true;
 	atomic64_inc(&phx_regs_live);
 out:
 	mutex_unlock(&reg->lock);
@@ -452,9 +512,10 @@ out:
  * @file: the /dev/phx file that will own it.
  * @arg: in/out argument of PHX_IOC_REGISTER (already checked for form).
  *
- * The registration goes live under its lock, and only if no revocation
- * (a provider's free callback, which may fire as soon as the provider
- * handed out the memory) came first.
+ * The caller's user is charged for it (max_user_regs, max_user_bytes)
+ * until its pages are gone; PHX_REG_ALLOW_IOMMU needs CAP_SYS_RAWIO of
+ * the opener, since it lets device DMA go to addresses phx cannot vouch
+ * for.  The registration goes live under its lock.
  *
  * Return: 0 with @arg's out fields filled, or -errno.
  */
@@ -464,26 +525,33 @@ int phx_register(struct file *file, struct phx_register *arg)
 	struct phx_reg *reg;
 	int ret;
 
+	if ((arg->flags & PHX_REG_ALLOW_IOMMU) &&
+	    !file_ns_capable(file, &init_user_ns, CAP_SYS_RAWIO))
+		return -EPERM;
 	prov = phx_provider_get(arg->provider);
 	if (!prov)
 		return -ENODEV;
-	reg = kzalloc(sizeof(*reg), GFP_KERNEL);
+	reg = kzalloc(sizeof(*reg), GFP_KERNEL_ACCOUNT);
 	if (!reg) {
 		module_put(prov->owner);
 		return -ENOMEM;
 	}
+	__module_get(THIS_MODULE);	/* the file pins us; put when @reg is freed */
 	kref_init(&reg->kref);
 	INIT_LIST_HEAD(&reg->node);
 	mutex_init(&reg->lock);
-	init_completion(&reg->quiesced);
 	init_completion(&reg->done);
-	INIT_WORK(&reg->finish_work, phx_reg_finish);
+	INIT_DELAYED_WORK(&reg->finish_work, phx_reg_finish);
 	reg->prov = prov;
 	reg->bar = -1;
 	reg->flags = arg->flags;
 	reg->length = arg->length;
 	reg->mapping = file->f_mapping;
+	reg->uid = current_euid();
 
+	ret = phx_user_charge(reg);
+	if (ret)
+		goto err_free;
 	ret = ida_alloc_range(&phx_ida, 1, PHX_MAX_HANDLE, GFP_KERNEL);
 	if (ret < 0)
 		goto err_free;
@@ -496,10 +564,12 @@ int phx_register(struct file *file, struct phx_register *arg)
 	ret = phx_reg_index(reg);
 	if (ret)
 		goto err_release;
+	/* the provider's device, and every device that may DMA to it */
 	if (reg->pdev)
 		reg->status |= phx_mem_dev_status(reg->pdev);
 	else
 		reg->status |= phx_mem_module_status() | PHX_ST_UNKNOWN_DEV;
+	reg->status |= phx_mem_initiator_status();
 	ret = phx_reg_go_live(reg);
 	if (ret)
 		goto err_release;
@@ -520,19 +590,24 @@ err_free:
 	return phx_user_errno(ret);
 }
 
+/*
+ * Revoke @handle and wait until its pages are gone.  The wait lasts as
+ * long as something holds a page (a pipe may, indefinitely), so any signal
+ * ends it with -EINTR: the handle is gone by then and the teardown
+ * completes in the background.
+ */
 int phx_unregister(struct file *file, u32 handle)
 {
 	struct phx_reg *reg = phx_file_take(file->private_data, handle);
+	int ret = 0;
 
 	if (!reg)
 		return -ENOENT;
 	phx_reg_revoke_async(reg);
-	/* the ABI promises: in-flight I/O done and pages gone on return */
-	if (wait_for_completion_killable(&reg->done))
-		pr_info_ratelimited("%s: unregister of handle %u interrupted; it completes in the background\n",
-				    current->comm, handle);
+	if (wait_for_completion_interruptible(&reg->done))
+		ret = -EINTR;
 	phx_reg_put(reg);
-	return 0;
+	return ret;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -585,24 +660,6 @@ static vm_fault_t phx_vm_fault(struct vm_fault *vmf)
 	return ret;
 }
 
-/*
- * Revocable memory only.  Having a ->page_mkwrite makes the kernel treat
- * the mapping as needing write notification, and GUP then refuses
- * FOLL_LONGTERM | FOLL_WRITE pins (io_uring fixed buffers, RDMA): such a
- * pin would outlive the owner's revocation.  The first write to a page
- * lands here; it is allowed while the registration is live.
- */
-static vm_fault_t phx_vm_page_mkwrite(struct vm_fault *vmf)
-{
-	struct phx_reg *reg = vmf->vma->vm_private_data;
-	struct folio *folio = page_folio(vmf->page);
-
-	if (!READ_ONCE(reg->live))
-		return VM_FAULT_SIGBUS;
-	folio_lock(folio);
-	return VM_FAULT_LOCKED;
-}
-
 static int phx_vm_mremap(struct vm_area_struct *vma)
 {
 	return -EINVAL;
@@ -612,14 +669,6 @@ static const struct vm_operations_struct phx_vm_ops = {
 	.open = phx_vm_open,
 	.close = phx_vm_close,
 	.fault = phx_vm_fault,
-	.mremap = phx_vm_mremap,
-};
-
-static const struct vm_operations_struct phx_vm_revocable_ops = {
-	.open = phx_vm_open,
-	.close = phx_vm_close,
-	.fault = phx_vm_fault,
-	.page_mkwrite = phx_vm_page_mkwrite,
 	.mremap = phx_vm_mremap,
 };
 
@@ -658,7 +707,7 @@ static int phx_mmap(struct file *file, struct vm_area_struct *vma)
 	vm_flags_set(vma, VM_DONTCOPY | VM_DONTEXPAND | VM_DONTDUMP |
 		     VM_MIXEDMAP);
 	vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
-	vma->vm_ops = reg->prov->revocable ? &phx_vm_revocable_ops : &phx_vm_ops;
+	vma->vm_ops = &phx_vm_ops;
 	vma->vm_private_data = reg;	/* the reference found above */
 	return 0;
 }
@@ -668,7 +717,7 @@ static int phx_mmap(struct file *file, struct vm_area_struct *vma)
 
 static int phx_open(struct inode *inode, struct file *file)
 {
-	struct phx_file *pf = kzalloc(sizeof(*pf), GFP_KERNEL);
+	struct phx_file *pf = kzalloc(sizeof(*pf), GFP_KERNEL_ACCOUNT);
 
 	if (!pf)
 		return -ENOMEM;
@@ -694,12 +743,10 @@ static int phx_release(struct inode *inode, struct file *file)
 		reg->mapping = NULL;
 		mutex_unlock(&reg->lock);
 		if (phx_reg_revoke(reg)) {
-			if (phx_reg_quiet(reg)) {
+			if (phx_reg_quiet(reg))
 				phx_reg_finish_now(reg);	/* the usual case */
-			} else {
-				kref_get(&reg->kref);
-				queue_work(phx_wq, &reg->finish_work);
-			}
+			else
+				phx_reg_queue_finish(reg);
 		}
 		phx_reg_put(reg);
 	}
@@ -749,11 +796,12 @@ err_wq:
 	return ret;
 }
 
+/* Every registration holds the module: none is left, none is pending. */
 static void __exit phx_exit(void)
 {
 	misc_deregister(&phx_misc);
-	destroy_workqueue(phx_wq);	/* waits for teardowns still running */
 	phx_pci_exit();
+	destroy_workqueue(phx_wq);
 	ida_destroy(&phx_ida);
 }
 

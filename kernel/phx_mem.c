@@ -16,9 +16,12 @@
  * memremap_pages() as they are.  The DMA API then treats the pages like
  * RAM: DMA addresses are CPU physical addresses.  That reaches the device
  * memory only when no IOMMU translates for the DMA initiator and no bounce
- * buffering (swiotlb) is forced; phx refuses otherwise, and when it cannot
- * tell (the device holding the memory was not found), unless
- * PHX_REG_ALLOW_IOMMU is passed.
+ * buffering (swiotlb) is forced.  The initiator is not known when memory
+ * is registered (any storage controller may be handed the pages later),
+ * so phx looks at every PCI storage controller as well as at the device
+ * holding the memory, and refuses when any of them translates or bounces,
+ * or when it cannot tell (the device holding the memory was not found),
+ * unless PHX_REG_ALLOW_IOMMU is passed by an opener with CAP_SYS_RAWIO.
  *
  * Reference counts: before 6.15 every ZONE_DEVICE page of these two kinds
  * idles at count 1; from 6.15 on P2PDMA pages idle at 0 (vm_insert_page()
@@ -71,6 +74,31 @@ u32 phx_mem_dev_status(struct pci_dev *pdev)
 	return st;
 }
 
+/**
+ * phx_mem_initiator_status - PHX_ST_* conditions of the possible DMA
+ * initiators.
+ *
+ * The device that will DMA into a registration is whichever storage
+ * controller serves the file the user reads later; it is not known at
+ * registration.  So every PCI mass-storage controller counts (NVMe, SATA,
+ * SAS, RAID): one whose DMA an IOMMU translates or swiotlb bounces makes
+ * the DMA address of a GENERIC page (its CPU physical address) unsafe.
+ *
+ * Return: PHX_ST_IOMMU and/or PHX_ST_BOUNCE, or 0.
+ */
+u32 phx_mem_initiator_status(void)
+{
+	struct pci_dev *pdev = NULL;
+	u32 st = 0;
+
+	while ((pdev = pci_get_device(PCI_ANY_ID, PCI_ANY_ID, pdev))) {
+		if ((pdev->class >> 16) != PCI_BASE_CLASS_STORAGE)
+			continue;
+		st |= phx_mem_dev_status(pdev) & (PHX_ST_IOMMU | PHX_ST_BOUNCE);
+	}
+	return st;
+}
+
 /* Give every page of @reg the idle count 1 (see the top of this file). */
 static void phx_mem_take_refs(struct phx_reg *reg)
 {
@@ -99,6 +127,9 @@ static void phx_mem_drop_refs(struct phx_reg *reg)
 	reg->own_ref = false;
 }
 
+/* serialises the creation and removal of GENERIC pagemaps */
+static DEFINE_MUTEX(phx_mem_lock);
+
 /*
  * memremap_pages() of GENERIC pages: their count never reaches 0 while
  * phx holds the initial reference, and the core resets a freed GENERIC
@@ -122,7 +153,8 @@ static int phx_generic_create(struct phx_reg *reg)
 				    "of unknown translation (no PCI device holds it)");
 		return -EOPNOTSUPP;
 	}
-	pgmap = kzalloc(struct_size(pgmap, ranges, reg->nr_ranges), GFP_KERNEL);
+	pgmap = kzalloc(struct_size(pgmap, ranges, reg->nr_ranges),
+			GFP_KERNEL_ACCOUNT);
 	if (!pgmap)
 		return -ENOMEM;
 	pgmap->type = MEMORY_DEVICE_GENERIC;
@@ -141,8 +173,15 @@ static int phx_generic_create(struct phx_reg *reg)
 	return 0;
 }
 
+/*
+ * Under phx_mem_lock, like the creation: memunmap_pages() clears the
+ * sections (pfn_valid() turns false) before it drops the pagemap, so a
+ * registration of the same range in between would pass phx's check and
+ * meet the old pagemap inside memremap_pages().
+ */
 static void phx_generic_destroy(struct phx_reg *reg)
 {
+	lockdep_assert_held(&phx_mem_lock);
 	memunmap_pages(reg->pgmap);
 	kfree(reg->pgmap);
 	reg->pgmap = NULL;
@@ -165,8 +204,6 @@ static bool phx_mem_range_busy(const struct range *r)
 	return false;
 }
 
-static DEFINE_MUTEX(phx_mem_lock);
-
 /**
  * phx_mem_create - create (or, on a phx-bound device, claim) the struct
  * pages of @reg.
@@ -177,11 +214,15 @@ static DEFINE_MUTEX(phx_mem_lock);
  */
 int phx_mem_create(struct phx_reg *reg)
 {
+	struct phx_pci *pp;
 	unsigned int i;
 	int ret;
 
-	if (reg->prov == &phx_pcibar_provider && phx_pci_of(reg->pdev)) {
-		ret = phx_pci_claim(reg);
+	pp = reg->prov == &phx_pcibar_provider ? phx_pci_get(reg->pdev) : NULL;
+	if (pp) {
+		ret = phx_pci_claim(pp, reg);	/* keeps the reference on success */
+		if (ret)
+			phx_pci_put(pp);
 		goto out_refs;
 	}
 	mutex_lock(&phx_mem_lock);
@@ -203,8 +244,11 @@ out_refs:
 void phx_mem_destroy(struct phx_reg *reg)
 {
 	phx_mem_drop_refs(reg);
-	if (reg->p2p)
+	if (reg->p2p) {
 		phx_pci_unclaim(reg);
-	else if (reg->pgmap)
+	} else if (reg->pgmap) {
+		mutex_lock(&phx_mem_lock);
 		phx_generic_destroy(reg);
+		mutex_unlock(&phx_mem_lock);
+	}
 }

@@ -1,129 +1,90 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * phx_nv.ko - the NVIDIA provider of phx: the caller's own GPU memory
- * through the NVIDIA driver's peer-to-peer API (nv-p2p.h).
+ * through the NVIDIA driver's peer-to-peer API (nv-p2p.h), pinned.
  *
  * A module of its own, so that phx.ko loads on machines without the
- * NVIDIA driver: phx_nv.ko links against nvidia_p2p_get_pages(),
- * nvidia_p2p_put_pages() and nvidia_p2p_free_page_table() like
+ * NVIDIA driver: phx_nv.ko links against the nvidia_p2p_* symbols like
  * nvidia-peermem does (built with the driver's Module.symvers, it depends
- * on the module exporting them), and registers itself with phx.ko.  No
- * run-time symbol lookup: a kprobe lookup returns an address past the
- * ENDBR on IBT kernels, where the indirect call faults.
+ * on the module exporting them), and registers itself with phx.ko through
+ * GPL-only exports, so the kernel loads it only next to a GPL-compatible
+ * driver (the open kernel modules).  No run-time symbol lookup.
  *
- * p2p_token 0 / va_space 0 ask the driver for the caller's own address
- * space: a process can only register GPU memory it owns.
+ * Persistent mappings only.  phx hands the memory to the rest of the
+ * kernel as struct pages, and anything that can take a page reference
+ * (O_DIRECT I/O in its time-out, vmsplice into a pipe, zero-copy sockets,
+ * FUSE or NFS direct I/O) may keep one for as long as it likes.  So the
+ * memory must stay phx's until the last reference is gone, which only a
+ * persistent mapping gives: the driver keeps the memory allocated (even
+ * after cudaFree or the owner's exit) until phx puts the pages, there is
+ * no free callback, and the put works from any context (phx puts from a
+ * workqueue, after the last page reference went).  The non-persistent
+ * API cannot be made safe: its free callback must return promptly (it
+ * runs inside the driver's free path, under its locks), and after it
+ * returns the driver reuses memory that a page reference may still reach.
+ * Drivers that have no persistent API are refused.
  *
- * The free callback.  The driver calls phx_nv_free_cb() when the memory
- * goes away under a registration (cudaFree, process exit) and frees or
- * reuses the memory as soon as it returns.  So the callback revokes the
- * registration (user PTEs zapped: later access SIGBUS, later I/O -EFAULT)
- * and waits, bounded, until no DMA into the memory is in flight; it frees
- * the page table, and never calls put_pages.  The callback may come at any
- * time after get_pages registered it, even before get_pages returned or
- * while phx is still setting the registration up: a small state machine
- * under ctx->lock decides who frees the page table, and phx's core makes
- * a registration live only if it was not revoked first.
+ * Two generations of the persistent API are used, found at load time
+ * through weak references (absent ones resolve to NULL):
+ *   - nvidia_p2p_get_pages_persistent() / nvidia_p2p_put_pages_persistent()
+ *     (drivers from R535 on);
+ *   - nvidia_p2p_cap_persistent_pages != 0: nvidia_p2p_get_pages() with a
+ *     NULL callback, released with nvidia_p2p_put_pages() (R515 to R530).
+ * The driver refuses persistent mappings on MIG, vGPU and confidential
+ * computing (-ENOTSUPP); phx then fails with -EOPNOTSUPP and says why.
+ *
+ * Like p2p_token 0 / va_space 0 before it, the persistent API resolves the
+ * VA in the calling process's GPU address space: a process can only
+ * register GPU memory it owns.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
-#include <linux/completion.h>
+#define PHX_NV_OPTIONAL __weak
 #include <linux/module.h>
 #include <linux/pci.h>
 #include <linux/slab.h>
-#include <linux/spinlock.h>
 
 #include "phx.h"
 #include "phx_nv_p2p.h"
 
 /**
- * enum phx_nv_state - who owns the page table of a &struct phx_nv_ctx.
- * @PHX_NV_ACQUIRING: get_pages runs.
- * @PHX_NV_READING: phx reads the table (sleeps: not under the lock); a
- *	callback now waits until phx is done with it.
- * @PHX_NV_ACTIVE: registered; the callback or phx_nv_release() ends it.
- * @PHX_NV_FREED_EARLY: the callback came while get_pages ran: it freed the
- *	table if get_pages had already stored it (else the acquiring side
- *	does), and the registration fails.
- * @PHX_NV_FREED: the callback took it (it frees the table).
- * @PHX_NV_RELEASED: phx_nv_release() took it (put_pages frees the table).
+ * enum phx_nv_api - which persistent API the loaded driver offers.
+ * @PHX_NV_API_NONE: none: registrations are refused.
+ * @PHX_NV_API_PERSISTENT: nvidia_p2p_{get,put}_pages_persistent().
+ * @PHX_NV_API_CAP: nvidia_p2p_get_pages() without callback (R515-R530).
  */
-enum phx_nv_state {
-	PHX_NV_ACQUIRING,
-	PHX_NV_READING,
-	PHX_NV_ACTIVE,
-	PHX_NV_FREED_EARLY,
-	PHX_NV_FREED,
-	PHX_NV_RELEASED,
+enum phx_nv_api {
+	PHX_NV_API_NONE,
+	PHX_NV_API_PERSISTENT,
+	PHX_NV_API_CAP,
 };
 
 /**
  * struct phx_nv_ctx - one registration's NVIDIA state.
- * @reg: the registration.
- * @pt: the driver's page table.
+ * @pt: the driver's page table (the driver's until put).
  * @va: the GPU virtual address registered.
- * @lock: protects @state, @early_freed, @cb_waiting (a spinlock: unlike a
- *	mutex, it may be freed as soon as the last holder dropped it).
- * @state: see &enum phx_nv_state.
- * @early_freed: FREED_EARLY, and the callback freed the table.
- * @cb_waiting: a callback waits for @read_done.
- * @read_done: completed when phx stopped reading the table.
- * @cb_done: completed when a callback that took the table is done with it.
+ * @api: the API that got it (and must put it).
  */
 struct phx_nv_ctx {
-	struct phx_reg *reg;
 	struct nvidia_p2p_page_table *pt;
 	u64 va;
-	spinlock_t lock;		/* see above */
-	enum phx_nv_state state;
-	bool early_freed;
-	bool cb_waiting;
-	struct completion read_done;
-	struct completion cb_done;
+	enum phx_nv_api api;
 };
 
-/*
- * The driver takes the memory back.  Whatever phx was doing, the table is
- * freed here (as the driver requires) unless put_pages already took it.
- */
-static void phx_nv_free_cb(void *data)
+static enum phx_nv_api phx_nv_api(void)
 {
-	struct phx_nv_ctx *ctx = data;
-	struct nvidia_p2p_page_table *early;
-	enum phx_nv_state was;
-
-	spin_lock(&ctx->lock);
-	was = ctx->state;
-	switch (was) {
-	case PHX_NV_ACQUIRING:
-		/* not used yet: nothing to wait for */
-		ctx->state = PHX_NV_FREED_EARLY;
-		early = READ_ONCE(ctx->pt);
-		ctx->early_freed = !!early;
-		spin_unlock(&ctx->lock);
-		if (early)
-			nvidia_p2p_free_page_table(early);
-		return;
-	case PHX_NV_READING:
-		ctx->cb_waiting = true;
-		spin_unlock(&ctx->lock);
-		wait_for_completion(&ctx->read_done);
-		spin_lock(&ctx->lock);
-		was = ctx->state;	/* ACTIVE, or FREED by a failed read */
-		break;
-	default:
-		break;
-	}
-	if (was == PHX_NV_ACTIVE)
-		ctx->state = PHX_NV_FREED;
-	spin_unlock(&ctx->lock);
-	if (was != PHX_NV_ACTIVE && was != PHX_NV_FREED)
-		return;		/* released: put_pages has the table */
-	/* no user access from now on, and no DMA in flight when we return */
-	phx_reg_provider_revoke(ctx->reg);
-	nvidia_p2p_free_page_table(ctx->pt);
-	complete(&ctx->cb_done);
+	if (nvidia_p2p_get_pages_persistent && nvidia_p2p_put_pages_persistent)
+		return PHX_NV_API_PERSISTENT;
+	if (&nvidia_p2p_cap_persistent_pages && nvidia_p2p_cap_persistent_pages)
+		return PHX_NV_API_CAP;
+	return PHX_NV_API_NONE;
 }
+
+static const char *const phx_nv_api_names[] = {
+	[PHX_NV_API_NONE] = "none",
+	[PHX_NV_API_PERSISTENT] = "nvidia_p2p_get_pages_persistent",
+	[PHX_NV_API_CAP] = "nvidia_p2p_get_pages without callback",
+};
 
 static u64 phx_nv_page_bytes(u32 type)
 {
@@ -150,13 +111,19 @@ static int phx_nv_ranges(struct phx_reg *reg, struct nvidia_p2p_page_table *pt)
 	unsigned int i, n = 0;
 
 	if (!phx_nv_pt_compatible(pt)) {
-		pr_info_ratelimited("page table version %#x, phx was built for %#x\n",
-				    pt->version, NVIDIA_P2P_PAGE_TABLE_VERSION);
+		pr_info_ratelimited("page table version %#x, phx reads %#x and %#x\n",
+				    pt->version, PHX_NV_PT_VERSION_V1,
+				    NVIDIA_P2P_PAGE_TABLE_VERSION);
 		return -EPROTO;
+	}
+	if (phx_nv_pt_flags(pt) & NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE) {
+		pr_info_ratelimited("the driver gave CPU-cacheable (coherent) memory, not BAR1 memory: not supported\n");
+		return -EOPNOTSUPP;
 	}
 	if (!psz || (u64)pt->entries * psz != reg->length)
 		return -EINVAL;
-	reg->ranges = kvcalloc(pt->entries, sizeof(*reg->ranges), GFP_KERNEL);
+	reg->ranges = kvcalloc(pt->entries, sizeof(*reg->ranges),
+			       GFP_KERNEL_ACCOUNT);
 	if (!reg->ranges)
 		return -ENOMEM;
 	for (i = 0; i < pt->entries; i++) {
@@ -198,69 +165,64 @@ static struct pci_dev *phx_nv_find_dev(u64 pa, int *bar)
 	return NULL;
 }
 
+/*
+ * Give the memory back to the driver.  Any context: a persistent table is
+ * found by its own pointer, not by the calling process.  A failing put
+ * leaves the memory pinned by the driver (it keeps the table), which is
+ * safe; there is nothing phx could retry.
+ */
 static void phx_nv_put(struct phx_nv_ctx *ctx)
 {
-	int ret = nvidia_p2p_put_pages(0, 0, ctx->va, ctx->pt);
+	int ret;
 
+	if (ctx->api == PHX_NV_API_PERSISTENT)
+		ret = nvidia_p2p_put_pages_persistent(ctx->va, ctx->pt, 0);
+	else
+		ret = nvidia_p2p_put_pages(0, 0, ctx->va, ctx->pt);
 	if (ret)
-		pr_info_ratelimited("nvidia_p2p_put_pages: %d\n", ret);
+		pr_err("putting GPU VA %#llx failed (%d): the driver keeps that memory pinned\n",
+		       ctx->va, ret);
 }
 
 static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
 			  struct file *file)
 {
 	struct phx_nv_ctx *ctx;
-	bool waiting;
 	int ret;
 
-	ctx = kzalloc(sizeof(*ctx), GFP_KERNEL);
+	ctx = kzalloc(sizeof(*ctx), GFP_KERNEL_ACCOUNT);
 	if (!ctx)
 		return -ENOMEM;
-	ctx->reg = reg;
 	ctx->va = arg->gpu_va;
-	spin_lock_init(&ctx->lock);
-	init_completion(&ctx->read_done);
-	init_completion(&ctx->cb_done);
-	ctx->state = PHX_NV_ACQUIRING;
-
-	/* not under ctx->lock: the driver may call back from inside */
-	ret = nvidia_p2p_get_pages(0, 0, arg->gpu_va, arg->length, &ctx->pt,
-				   phx_nv_free_cb, ctx);
+	ctx->api = phx_nv_api();
+	switch (ctx->api) {
+	case PHX_NV_API_PERSISTENT:
+		ret = nvidia_p2p_get_pages_persistent(arg->gpu_va, arg->length,
+						      &ctx->pt, 0);
+		break;
+	case PHX_NV_API_CAP:
+		ret = nvidia_p2p_get_pages(0, 0, arg->gpu_va, arg->length,
+					   &ctx->pt, NULL, NULL);
+		break;
+	default:
+		pr_info_ratelimited("%s: the NVIDIA driver offers no persistent peer-to-peer mapping (it needs R515 or later): GPU memory that the driver could take back is not registered\n",
+				    current->comm);
+		ret = -EOPNOTSUPP;
+		break;
+	}
 	if (ret) {
+		if (ret == -ENOTSUPP)
+			pr_info_ratelimited("%s: the NVIDIA driver refused a persistent mapping of GPU VA %#llx (not supported with MIG, vGPU or confidential computing)\n",
+					    current->comm, arg->gpu_va);
 		kfree(ctx);
 		return ret < 0 ? ret : -EINVAL;
 	}
 
-	spin_lock(&ctx->lock);
-	if (ctx->state == PHX_NV_FREED_EARLY) {
-		bool freed = ctx->early_freed;
-
-		spin_unlock(&ctx->lock);
-		if (!freed)	/* the driver called back before storing it */
-			nvidia_p2p_free_page_table(ctx->pt);
-		kfree(ctx);
-		return -EFAULT;		/* freed before it could be used */
-	}
-	ctx->state = PHX_NV_READING;
-	spin_unlock(&ctx->lock);
-
 	ret = phx_nv_ranges(reg, ctx->pt);
 	if (!ret && reg->nr_ranges)
 		reg->pdev = phx_nv_find_dev(reg->ranges[0].start, &reg->bar);
-
-	spin_lock(&ctx->lock);
-	waiting = ctx->cb_waiting;
-	if (!ret)
-		ctx->state = PHX_NV_ACTIVE;	/* a waiting callback revokes */
-	else
-		ctx->state = waiting ? PHX_NV_FREED : PHX_NV_RELEASED;
-	spin_unlock(&ctx->lock);
-	complete_all(&ctx->read_done);
 	if (ret) {
-		if (waiting)
-			wait_for_completion(&ctx->cb_done);
-		else
-			phx_nv_put(ctx);
+		phx_nv_put(ctx);
 		kfree(ctx);
 		return ret;
 	}
@@ -268,22 +230,14 @@ static int phx_nv_acquire(struct phx_reg *reg, const struct phx_register *arg,
 	return 0;
 }
 
+/* After the last page reference went, on phx's workqueue or in close(). */
 static void phx_nv_release(struct phx_reg *reg)
 {
 	struct phx_nv_ctx *ctx = reg->prov_data;
-	bool put;
 
 	if (!ctx)
 		return;
-	spin_lock(&ctx->lock);
-	put = ctx->state == PHX_NV_ACTIVE;
-	if (put)
-		ctx->state = PHX_NV_RELEASED;
-	spin_unlock(&ctx->lock);
-	if (put)
-		phx_nv_put(ctx);	/* the driver frees the table */
-	else
-		wait_for_completion(&ctx->cb_done);
+	phx_nv_put(ctx);
 	reg->prov_data = NULL;
 	kfree(ctx);
 }
@@ -291,7 +245,6 @@ static void phx_nv_release(struct phx_reg *reg)
 static const struct phx_provider phx_nvidia_provider = {
 	.name = "nvidia",
 	.owner = THIS_MODULE,
-	.revocable = true,
 	.acquire = phx_nv_acquire,
 	.release = phx_nv_release,
 };
@@ -301,7 +254,8 @@ static int __init phx_nv_init(void)
 	int ret = phx_provider_register(PHX_PROV_NVIDIA, &phx_nvidia_provider);
 
 	if (!ret)
-		pr_info("NVIDIA provider registered with phx\n");
+		pr_info("NVIDIA provider registered with phx (persistent API: %s)\n",
+			phx_nv_api_names[phx_nv_api()]);
 	return ret;
 }
 

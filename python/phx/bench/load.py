@@ -71,8 +71,11 @@ import threading
 import time
 from typing import Any
 
-from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size, peak_rss,
-                               progress, reset_peak_rss, storage_description, write_json)
+from phx.bench._common import (BenchError, add_common_arguments, bench_dir, checked, csv,
+                               drop_caches, fmt_table, median_spread, need_space, parse_size,
+                               peak_rss, positive_float, positive_int, positive_size,
+                               positive_size_value, progress, reset_peak_rss,
+                               storage_description, write_json)
 
 MiB, GiB = 1 << 20, 1 << 30
 METHODS = ("phx", "phx-prepared", "phx-iter", "st", "st-cpu", "fst-nogds", "fst-phx", "raw")
@@ -85,28 +88,40 @@ LLAMA_TP = {r"(q|k|v|gate|up)_proj\.weight$": 0, r"(o|down)_proj\.weight$": 1,
 TP_METHODS = ("phx", "st", "raw")
 
 
+def _device(text: str) -> str:
+    t = text.strip()
+    if t == "cpu" or t == "cuda" or (t.startswith("cuda:") and t[5:].isdigit()):
+        return t
+    raise ValueError(f"{text!r}: want cpu, cuda or cuda:N")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None,
-                   help="where the checkpoint is written (default $PHX_BENCH_DIR or .)")
-    p.add_argument("--zram", metavar="SIZE", default=None,
+    p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also run on a zram device of SIZE with ext4 (root; >= the checkpoint)")
     p.add_argument("--no-disk", action="store_true", help="only the zram rows")
-    p.add_argument("--size", default="16G", help="checkpoint size (default 16G, Llama-3-8B)")
-    p.add_argument("--shards", type=int, default=4, help="safetensors files (default 4)")
-    p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ",".join(METHODS))
-    p.add_argument("--repeat", type=int, default=2, help="repeats per row (default 2)")
-    p.add_argument("--raw-threads", default="16", help="thread counts for raw (best is shown)")
-    p.add_argument("--keep", action="store_true", help="reuse a checkpoint already in --dir")
-    p.add_argument("--warm", default="phx,st,fst-nogds",
+    p.add_argument("--size", type=checked(positive_size), default="16G",
+                   help="checkpoint size (default 16G, Llama-3-8B)")
+    p.add_argument("--shards", type=positive_int, default=4, help="safetensors files (default 4)")
+    p.add_argument("--device", type=checked(_device), default=None,
+                   help="cuda (default where available), cuda:N or cpu")
+    p.add_argument("--methods", type=checked(csv(str, allowed=METHODS)), default=",".join(METHODS),
+                   help="comma list of " + ",".join(METHODS))
+    p.add_argument("--raw-threads", type=checked(csv(positive_int)), default="16",
+                   help="thread counts for raw (best is shown)")
+    p.add_argument("--warm", type=checked(csv(str, allowed=WARM_METHODS, empty_ok=True)),
+                   default="phx,st,fst-nogds",
                    help="methods that also get a warm row (page cache kept after one read of "
                         "the checkpoint; '' for none; of " + ",".join(WARM_METHODS) + ")")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks in one process (default 1; with N > 1 only "
                         + ",".join(TP_METHODS) + " run)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per method run")
-    p.add_argument("--json", default=None, help="write results as JSON here")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=positive_float, default=600, help="seconds per method run")
+    add_common_arguments(
+        p, dir_help="where the checkpoint is written, made if missing (default "
+                    "$PHX_BENCH_DIR or .); it is removed at the end unless --keep",
+        repeat=2,
+        keep_help="keep the generated checkpoint (DIR/phx-bench-load) and reuse one already "
+                  "there")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-threads", type=int, default=16, help=argparse.SUPPRESS)
@@ -318,7 +333,7 @@ def _load_tp(method: str, d: str, device: str, tp: int) -> dict[str, Any]:
 
 
 def _check_tp(d: str, tp: int) -> None:
-    """Every sliced dimension of the checkpoint divides by ``tp`` (SystemExit if not)."""
+    """Every sliced dimension of the checkpoint divides by ``tp`` (BenchError if not)."""
     from phx.loader import open_checkpoint, slice_shape, tp_sharder
     shard = tp_sharder(0, tp, LLAMA_TP)
     for name, t in open_checkpoint(os.path.join(d, "model.safetensors.index.json")).tensors.items():
@@ -327,7 +342,7 @@ def _check_tp(d: str, tp: int) -> None:
             try:
                 slice_shape(t, sl)
             except ValueError as e:
-                raise SystemExit(f"phx bench load: --tp {tp} does not divide: {e}") from None
+                raise BenchError(f"--tp {tp} does not divide: {e}") from None
 
 
 def tp_reference(d: str, tp: int) -> dict[str, str]:
@@ -508,7 +523,7 @@ def _methods(spec: str, device: str) -> list[str]:
     ms = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in ms if m not in METHODS]
     if bad:
-        raise SystemExit(f"phx bench load: unknown methods {bad} (known: {', '.join(METHODS)})")
+        raise BenchError(f"unknown methods {bad} (known: {', '.join(METHODS)})")
     for m in ("st-cpu", "phx-prepared"):
         if device == "cpu" and m in ms:
             ms.remove(m)             # identical to st / phx on the CPU
@@ -536,7 +551,7 @@ def _warm_methods(spec: str, methods: list[str]) -> list[str]:
     ms = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in ms if m not in WARM_METHODS]
     if bad:
-        raise SystemExit(f"phx bench load: no warm row for {bad} (known: {', '.join(WARM_METHODS)})")
+        raise BenchError(f"no warm row for {bad} (known: {', '.join(WARM_METHODS)})")
     return [m for m in ms if m in methods]
 
 
@@ -648,22 +663,40 @@ def run(args) -> int:
         return run_worker(args)
     device = args.device or _default_device()
     methods = _methods(args.methods, device)
-    base = os.path.abspath(args.dir or os.environ.get("PHX_BENCH_DIR") or ".")
+    _warm_methods(args.warm, methods)
+    base = bench_dir(args.dir, ".")
     ckpt = os.path.join(base, "phx-bench-load")
-    size = parse_size(args.size)
+    size = positive_size_value(args.size)
     if os.geteuid() != 0:
         print("phx bench load: not root: the page cache cannot be dropped, rows are warm",
               file=sys.stderr)
-    if args.keep and os.path.exists(os.path.join(ckpt, "digests.json")):
+    reuse = args.keep and os.path.exists(os.path.join(ckpt, "digests.json"))
+    if not reuse:
+        try:
+            import safetensors  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise BenchError(f"writing the checkpoint needs torch and safetensors ({e})") \
+                from None
+        shutil.rmtree(ckpt, ignore_errors=True)
+        need_space(base, int(size * 1.1) + (64 << 20), "the checkpoint")
+    try:
+        return _run(args, device, methods, ckpt, size, reuse)
+    finally:
+        if not args.keep:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        else:
+            print(f"phx bench load: kept the checkpoint in {ckpt} (--keep)", file=sys.stderr)
+
+
+def _run(args, device: str, methods: list[str], ckpt: str, size: int, reuse: bool) -> int:
+    if reuse:
         with open(os.path.join(ckpt, "digests.json")) as f:
             ref = json.load(f)
     else:
-        shutil.rmtree(ckpt, ignore_errors=True)
         os.makedirs(ckpt)
         ref = write_checkpoint(ckpt, size, args.shards, 1234, not args.quiet)
     total = sum(os.path.getsize(p) for p in _shards(ckpt))
-    if args.tp < 1:
-        raise SystemExit("phx bench load: --tp must be at least 1")
     if args.tp > 1:
         methods = [m for m in methods if m in TP_METHODS]
         _check_tp(ckpt, args.tp)
@@ -679,6 +712,8 @@ def run(args) -> int:
             "benchmark": "load", "device": device, "checkpoint_bytes": total,
             "tensors": len(ref), "shards": args.shards, "repeat": args.repeat, "tp": args.tp,
             "storage": storage_description(ckpt), "rows": rows})
+        if args.plot and rows:
+            plot(rows, device, args.plot)
 
     bar = progress(nrows * args.repeat * ((not args.no_disk) + bool(args.zram)),
                    "phx bench load", not args.quiet)
@@ -706,4 +741,40 @@ def run(args) -> int:
     for r in bad:
         print(f"phx bench load: {r['where']} {r['method']}: "
               f"{r.get('check') or r.get('error')}", file=sys.stderr)
+    if not rows:
+        print("phx bench load: nothing was measured", file=sys.stderr)
+        return 1
     return 1 if bad else 0
+
+
+def plot(rows: list[dict[str, Any]], device: str, path: str) -> None:
+    """GB/s per method (median, whiskers min-max of the runs), one panel per
+    place (zram, disk), cold and warm rows side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    places = list(dict.fromkeys(r["where"] for r in rows))
+    fig, axes = plt.subplots(1, len(places), squeeze=False,
+                             figsize=(max(5.0, 0.7 * len(rows) / len(places) + 2) * len(places),
+                                      4.2))
+    for ax, where in zip(axes[0], places):
+        mine = [r for r in rows if r["where"] == where and "gbps" in r]
+        labels, ys, lo, hi, colours = [], [], [], [], []
+        for r in mine:
+            gb = [r["bytes"] / x["seconds"] / 1e9 for x in r["runs"] if "seconds" in x]
+            labels.append(r["method"] + (" warm" if r["cache"] == "warm" else ""))
+            ys.append(r["gbps"])
+            lo.append(r["gbps"] - min(gb, default=r["gbps"]))
+            hi.append(max(gb, default=r["gbps"]) - r["gbps"])
+            colours.append("tab:red" if r["method"].startswith("phx") else
+                           "tab:gray" if r["method"].startswith("raw") else "tab:blue")
+        ax.bar(range(len(ys)), ys, yerr=[lo, hi], capsize=2, color=colours)
+        ax.set_xticks(range(len(ys)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("GB/s (median, min-max)")
+        ax.set_title(f"{where} -> {device}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("phx bench load: checkpoint load", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
