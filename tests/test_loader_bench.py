@@ -39,7 +39,8 @@ def test_gpu_only_methods_are_dropped_for_the_cpu():
     assert bench._methods(ms, "cuda") == list(bench.METHODS)
     assert bench._methods(ms, "cpu") == [m for m in bench.METHODS
                                          if m not in ("st-cpu", "phx-prepared")]
-    with pytest.raises(SystemExit, match="unknown methods"):
+    from phx.bench._common import BenchError
+    with pytest.raises(BenchError, match="unknown methods"):
         bench._methods("phx,nope", "cuda")
 
 
@@ -100,7 +101,7 @@ def test_bench_load_tensor_parallel_ranks_get_their_slices(data_dir):
     checkpoint's (digests from the files), the sliced bytes once in all."""
     out = os.path.join(data_dir, "tp.json")
     r = _bench(["--size", "24m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
-                "--tp", "2", "--json", out])
+                "--tp", "2", "--json", out, "--keep"])
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.load(open(out))
     assert doc["tp"] == 2
@@ -127,7 +128,7 @@ def test_bench_load_tp_must_divide_the_sliced_dims(data_dir):
 
 def test_bench_load_catches_a_flipped_byte(data_dir):
     r = _bench(["--size", "8m", "--dir", data_dir, "--repeat", "1", "--device", "cpu",
-                "--methods", "st"])
+                "--methods", "st", "--keep"])
     assert r.returncode == 0, r.stdout + r.stderr
     d = os.path.join(data_dir, "phx-bench-load")
     shard = os.path.join(d, "model-00002-of-00004.safetensors")
