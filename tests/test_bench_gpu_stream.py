@@ -69,8 +69,14 @@ def test_options_given():
     ("--repeat", "0"),
 ])
 def test_bad_options(argv):
+    """Refused while the command line is parsed (exit 2), or by options()."""
+    try:
+        a = _args("--pattern", "stream", *argv)
+    except SystemExit as e:
+        assert e.code == 2
+        return
     with pytest.raises(ValueError):
-        st.options(_args("--pattern", "stream", *argv))
+        st.options(a)
 
 
 def test_classic_patterns_keep_their_kvikio_sweep():
@@ -283,13 +289,14 @@ def _cmd(*argv: str, cwd) -> subprocess.CompletedProcess:
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
-def test_no_gpu_exits_0(tmp_path):
-    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU box too
-    for pattern in ("stream", "seq,stream"):
+def test_no_gpu_exits_2(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU box too;
+    # nothing measured: one line and exit 2 (phx.bench._common's exit status)
+    for pattern in ("stream", "seq,stream", "seq"):
         p = _cmd("--pattern", pattern, "--dir", str(tmp_path), "--quiet",
                  "--json", str(tmp_path / "s.json"), cwd=tmp_path)
-        assert p.returncode == 0, p.stderr
-        assert "no GPU here" in p.stdout
+        assert p.returncode == 2, p.stderr
+        assert "no GPU here" in p.stderr and len(p.stderr.strip().splitlines()) == 1
         assert not os.listdir(tmp_path), "files left behind"
 
 

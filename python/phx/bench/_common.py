@@ -165,8 +165,7 @@ def checked(conv: Callable[[str], Any]) -> Callable[[str], str]:
     def keep(text: str) -> str:
         conv(text)
         return text
-    keep.__name__ = getattr(conv, "__name__", "value")
-    return keep
+    return _type(getattr(conv, "__name__", "value"), keep)
 
 
 def plot_path(text: str) -> str:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from phx.bench import gpu as _g
+from phx.bench._common import BenchError, checked, csv, positive_int, positive_size
 from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size,
                                progress, write_json)
 
@@ -66,14 +67,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     --repeat, --ops, --kvikio-threads, --devices, --json, --plot and --quiet
     apply too)."""
     g = p.add_argument_group("--pattern stream")
-    g.add_argument("--stream-chunks", default="1M,4M,16M,32M",
+    g.add_argument("--stream-chunks", type=checked(csv(positive_size)), default="1M,4M,16M,32M",
                    help="chunk sizes of the stream pattern (default 1M,4M,16M,32M)")
-    g.add_argument("--stream-threads", default="2,4,8",
+    g.add_argument("--stream-threads", type=checked(csv(positive_int)), default="2,4,8",
                    help="thread (stream) counts of the phx-stream-N rows besides 1 "
                         "(default 2,4,8)")
-    g.add_argument("--pool-threads", default="8",
+    g.add_argument("--pool-threads", type=checked(csv(positive_int)), default="8",
                    help="thread counts of the host-staged pool rows (default 8)")
-    g.add_argument("--stream-methods", default=",".join(FAMILIES),
+    g.add_argument("--stream-methods", type=checked(csv(str, allowed=FAMILIES)),
+                   default=",".join(FAMILIES),
                    help="comma list of stream,batch,pool,kvikio (default all)")
 
 
@@ -482,8 +484,7 @@ def run(args: argparse.Namespace, others: list[str], classic: Callable[[Any], in
         return 2
     ok, why = _g._gpu_ok()
     if not ok:
-        print(f"phx bench gpu: no GPU here ({why}); nothing to measure.")
-        return 0
+        raise BenchError(f"no GPU here ({why}); nothing measured")
     rc = 0
     json_path, plot_path = args.json, args.plot
     if others:
@@ -583,7 +584,7 @@ def measure(args: argparse.Namespace, opts: Options, json_path: str | None,
                 del ref
             finally:
                 for p in (rpath, wpath):
-                    if os.path.exists(p):
+                    if os.path.exists(p) and not args.keep:
                         os.unlink(p)
         bar.close()
     finally:
@@ -596,6 +597,9 @@ def measure(args: argparse.Namespace, opts: Options, json_path: str | None,
     save(json_path, results, meta)
     if plot_path:
         plot(results, plot_path)
+    if not results:
+        print("phx bench gpu: nothing was measured", file=sys.stderr)
+        return 1
     return 1 if any(r["verified"] is not True for r in results) else 0
 
 

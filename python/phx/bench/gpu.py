@@ -49,8 +49,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from phx.bench._common import (drop_caches, fmt_table, median_spread, parse_size,
-                               progress, write_json)
+from phx.bench._common import (BenchError, add_common_arguments, checked, csv, drop_caches,
+                               fmt_table, median_spread, parse_size, positive_int,
+                               positive_size, progress, write_json)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 NAIVE_CAP = 128 * MiB
@@ -58,36 +59,49 @@ NAIVE_CAP = 128 * MiB
 KVIKIO_THREADS = "4,16,64"
 
 
+def _devices_syntax(text: str) -> list[int]:
+    return parse_devices(text, 1 << 30)     # the real count is checked at run time
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pattern", default="seq,chunks",
+    # Values are checked here and kept as text: the run parses them (and the
+    # stream pattern shares them).
+    p.add_argument("--pattern", type=checked(csv(str, allowed=("seq", "chunks", "stream"))),
+                   default="seq,chunks",
                    help="comma list of seq, chunks, stream (default seq,chunks)")
-    p.add_argument("--dir", action="append", default=None,
-                   help="directory for the test files (repeatable); default: "
-                        "$PHX_BENCH_DIR or the current directory")
-    p.add_argument("--zram", metavar="SIZE", default=None,
+    p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also build a zram block device of SIZE with ext4 (root) and "
                         "run there: the RAM-speed rows where software decides (it holds "
                         "two files of --size per device)")
-    p.add_argument("--size", default="4G", help="file size (default 4G)")
-    p.add_argument("--chunk-sizes", default="64K,256K,2M,16M", help="chunk pattern sizes")
-    p.add_argument("--chunk-bytes", default="1G",
+    p.add_argument("--size", type=checked(positive_size), default="4G",
+                   help="file size (default 4G)")
+    p.add_argument("--chunk-sizes", type=checked(csv(positive_size)), default="64K,256K,2M,16M",
+                   help="chunk pattern sizes")
+    p.add_argument("--chunk-bytes", type=checked(positive_size), default="1G",
                    help="bytes moved per chunks (and stream) row (default 1G)")
-    p.add_argument("--repeat", type=int, default=3, help="repeats per row (default 3)")
-    p.add_argument("--methods", default="phx,raw,naive,kvikio",
+    p.add_argument("--methods", type=checked(csv(str, allowed=("phx", "raw", "naive", "kvikio"))),
+                   default="phx,raw,naive,kvikio",
                    help="comma list of phx,raw,naive,kvikio (default all)")
-    p.add_argument("--ops", default="read,write", help="read,write (default both)")
-    p.add_argument("--raw-threads", default="16,64", help="thread counts for raw O_DIRECT")
-    p.add_argument("--kvikio-threads", default=None,
+    p.add_argument("--ops", type=checked(csv(str, allowed=("read", "write"))),
+                   default="read,write", help="read,write (default both)")
+    p.add_argument("--raw-threads", type=checked(csv(positive_int)), default="16,64",
+                   help="thread counts for raw O_DIRECT")
+    p.add_argument("--kvikio-threads", type=checked(csv(positive_int)), default=None,
                    help=f"KvikIO thread counts (sweep; default {KVIKIO_THREADS}, "
                         "stream pattern 16,64)")
-    p.add_argument("--lanes", type=int, default=None, help="phx staging lanes (else defaults)")
-    p.add_argument("--bufs", type=int, default=None, help="phx staging buffers per lane")
-    p.add_argument("--buf-size", default=None, help="phx staging buffer size")
-    p.add_argument("--json", default=None, help="write results as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG bar chart here")
-    p.add_argument("--devices", default="0",
+    p.add_argument("--lanes", type=positive_int, default=None,
+                   help="phx staging lanes (else defaults)")
+    p.add_argument("--bufs", type=positive_int, default=None,
+                   help="phx staging buffers per lane")
+    p.add_argument("--buf-size", type=checked(positive_size), default=None,
+                   help="phx staging buffer size")
+    p.add_argument("--devices", type=checked(_devices_syntax), default="0",
                    help="CUDA devices fed at once: a comma list or 'all' (default 0)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common_arguments(
+        p, dir_help="directory for the test files (default: $PHX_BENCH_DIR or the current "
+                    "directory); they are removed after its rows unless --keep",
+        dir_repeatable=True, repeat=3,
+        keep_help="keep the test files (phx-bench-gpu*.bin in each --dir)")
     from phx.bench import _gpu_stream
     _gpu_stream.add_arguments(p)
 
@@ -493,8 +507,7 @@ def _run_patterns(args) -> int:
     """The seq and chunks patterns."""
     ok, why = _gpu_ok()
     if not ok:
-        print(f"phx bench gpu: no GPU here ({why}); nothing to measure.")
-        return 0
+        raise BenchError(f"no GPU here ({why}); nothing measured")
     import torch
     if os.geteuid() != 0:
         print("phx bench gpu: not root: page cache cannot be dropped, rows are warm",
@@ -588,8 +601,9 @@ def _run_patterns(args) -> int:
                                 "op": op, "method": name, "config": cfg, "runs_gbps": gb,
                                 "median_gbps": med, "spread": spread,
                                 "cpu_s_per_gb": cpu_med})
-            for p in paths + wpaths:
-                os.unlink(p)
+            if not args.keep:
+                for p in paths + wpaths:
+                    os.unlink(p)
         bar.close()
     finally:
         if zram:
@@ -610,6 +624,9 @@ def _run_patterns(args) -> int:
     except Exception:  # noqa: BLE001
         st = {}
     _report(results, size, args, ctx_info, st, len(devices))
+    if not results:
+        print("phx bench gpu: nothing was measured", file=sys.stderr)
+        return 1
     return 0
 
 
