@@ -28,12 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import stat
 import statistics
 import sys
 import time
 from typing import Any
 
-from phx.bench._common import drop_caches, fmt_size, fmt_table, parse_size, write_json
+from phx.bench._common import (BenchError, add_common_arguments, any_int, drop_caches,
+                               fmt_size, fmt_table, nonneg_int, parse_size, positive_float,
+                               positive_size, write_json)
 
 KiB, MiB = 1 << 10, 1 << 20
 PATHS = ("passthrough", "odirect", "buffered")
@@ -47,19 +50,35 @@ METRICS = (
 )
 
 
+def _char_device(text: str) -> str:
+    try:
+        st = os.stat(text)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}") from None
+    if not stat.S_ISCHR(st.st_mode):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a character device (want a namespace's /dev/ngXnY; "
+            f"/dev/nvmeXnY is its block device)")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=_char_device, default=None,
                    help="namespace char device /dev/ngXnY (default: the first usable one "
                         "that phx.nvme.probe() finds)")
-    p.add_argument("--first-lba", type=int, default=0, help="start of the region (LBA)")
-    p.add_argument("--size", type=parse_size, default=parse_size("256m"),
+    p.add_argument("--first-lba", type=nonneg_int, default=0, help="start of the region (LBA)")
+    p.add_argument("--size", type=positive_size, default=parse_size("256m"),
                    help="bytes of the region used (default 256m)")
-    p.add_argument("--seconds", type=float, default=1.0, help="seconds per figure (1.0)")
+    p.add_argument("--seconds", type=positive_float, default=1.0,
+                   help="seconds per figure (1.0)")
     p.add_argument("--force", action="store_true",
                    help="use the namespace even if it holds a filesystem or signature "
                         "(its data in the region are overwritten)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
+    p.add_argument("--seed", type=any_int, default=None)
+    # a device, not a directory: no --dir, and it leaves no files (--keep)
+    add_common_arguments(p, dir_help=None, repeat=1,
+                         repeat_help="runs of every figure; the median is reported",
+                         quiet_help="no per-path progress lines")
 
 
 def _in_vm() -> str:
@@ -179,21 +198,23 @@ def run(args) -> int:
     if dev is None:
         usable = [p for p in nvme.probe() if p["usable"]]
         if not usable:
-            print("phx bench nvme: no usable NVMe namespace (phx info lists why); "
-                  "pass --device /dev/ngXnY [--force]", file=sys.stderr)
-            return 2
+            raise BenchError("no usable NVMe namespace (phx info lists why); "
+                             "pass --device /dev/ngXnY [--force]")
         dev = usable[0]["name"]
-    ns = nvme.open(dev, first_lba=args.first_lba, force=args.force)
+    try:
+        ns = nvme.open(dev, first_lba=args.first_lba, force=args.force)
+    except OSError as e:
+        raise BenchError(f"--device {dev}: {e.strerror or e}") from None
     info = ns.info
     blk = "/dev/" + info["block_device"] if info["block_device"] else ""
     if not blk or not os.path.exists(blk):
-        print(f"phx bench nvme: no block device for {dev}", file=sys.stderr)
-        return 2
+        ns.close()
+        raise BenchError(f"no block device for {dev}")
     base = ns.start
     size = min(args.size, ns.end - base) // MiB * MiB
     if size < 2 * MiB:
-        print("phx bench nvme: region smaller than 2 MiB", file=sys.stderr)
-        return 2
+        ns.close()
+        raise BenchError("region smaller than 2 MiB (--first-lba, --size)")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
@@ -226,10 +247,13 @@ def run(args) -> int:
                         p.eng.register_buffer(b)
                     except OSError:
                         break
-            results[kind] = _measure(p, base, size, args.seconds, rng, bufs)
+            runs = [_measure(p, base, size, args.seconds, rng, bufs)
+                    for _ in range(args.repeat)]
         finally:
             p.close()
-        print(f"  {kind}: done", file=sys.stderr)
+        results[kind] = _median_run(runs)
+        if not args.quiet:
+            print(f"  {kind}: done", file=sys.stderr)
     nst = ns.stats()
     ns.deallocate(base, size)
     ns.close()
@@ -259,12 +283,46 @@ def run(args) -> int:
     write_json(args.json, {
         "benchmark": "nvme", "device": dev, "block_device": blk, "identify": info,
         "region": {"first_lba": ns.first_lba, "bytes": size}, "seconds": args.seconds,
-        "seed": seed, "virtual_machine": vm, "note": note, "results": results,
+        "repeat": args.repeat, "seed": seed, "virtual_machine": vm, "note": note, "results": results,
         "passthrough_stats": nst,
         "ratios": {key: {"vs_odirect": float(r[5][:-1]), "vs_buffered": float(r[6][:-1])}
                    for (key, _, _), r in zip(METRICS, rows)},
     })
+    if args.plot:
+        plot(results, args.plot, f"{dev} ({info['model']}){', ' + vm if vm else ''}")
     return 0
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over ``--repeat`` runs (and every run's, under ``runs``)."""
+    out: dict[str, Any] = {k: statistics.median([r[k] for r in runs])
+                           for k, _, _ in METRICS}
+    out["write_256k_samples"] = sum(r["write_256k_samples"] for r in runs)
+    out["cold_cache"] = all(r["cold_cache"] for r in runs)
+    if len(runs) > 1:
+        out["runs"] = runs
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    """One panel per figure, a bar per path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), squeeze=False)
+    colours = {"passthrough": "tab:red", "odirect": "tab:blue", "buffered": "tab:gray"}
+    for ax, (key, label, unit) in zip(axes.flat, METRICS):
+        ys = [results[k][key] * (1e-3 if unit == "IOPS" else 1) for k in PATHS]
+        ax.bar(range(len(PATHS)), ys, color=[colours[k] for k in PATHS])
+        ax.set_xticks(range(len(PATHS)), ["passthrough", "O_DIRECT", "buffered"], fontsize=8)
+        ax.set_title(label, fontsize=10)
+        ax.set_ylabel("kIOPS" if unit == "IOPS" else unit)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"phx bench nvme: {title}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _fmt(v: float, unit: str) -> str:
