@@ -42,19 +42,28 @@ import time
 from typing import Any
 
 TOKENS_PER_CHUNK = 256
+#: what _lmcache_methods.open_method opens
+REPLAY_METHODS = ("phx", "cufile", "kvikio", "host-odirect", "host-buffered")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from phx.bench._common import any_int, checked, csv, positive_float, positive_int
     g = p.add_argument_group("replay")
-    g.add_argument("--sessions", type=int, default=6, help="sessions measured (default 6)")
-    g.add_argument("--rounds", type=int, default=30, help="rounds per session (default 30)")
-    g.add_argument("--token-scale", type=float, default=0.125,
+    g.add_argument("--sessions", type=positive_int, default=6,
+                   help="sessions measured (default 6)")
+    g.add_argument("--rounds", type=positive_int, default=30,
+                   help="rounds per session (default 30)")
+    g.add_argument("--token-scale", type=positive_float, default=0.125,
                    help="multiply every token count (default 0.125)")
-    g.add_argument("--concurrency", default="1,2,4,8,12,16,24,32,48,64",
+    g.add_argument("--concurrency", type=checked(csv(positive_int)),
+                   default="1,2,4,8,12,16,24,32,48,64",
                    help="concurrent sessions to compute TTFT for")
-    g.add_argument("--ttft-limit", type=float, default=5.0, help="seconds (default 5)")
-    g.add_argument("--replay-methods", default="phx,cufile,host-odirect,host-buffered")
-    g.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
+    g.add_argument("--ttft-limit", type=positive_float, default=5.0,
+                   help="seconds (default 5)")
+    g.add_argument("--replay-methods", type=checked(csv(str, allowed=REPLAY_METHODS)),
+                   default="phx,cufile,host-odirect,host-buffered",
+                   help="of " + ",".join(REPLAY_METHODS))
+    g.add_argument("--seed", type=any_int, default=1, help="trace seed (default 1)")
 
 
 # ---------------------------------------------------------------------------
@@ -310,6 +319,8 @@ def run_replay(args, device: str, directory: str, notes: dict) -> dict[str, Any]
             "by_concurrency": by_c, "sessions_within_limit": served,
             "checked_requests": res["checked_requests"], "bad_requests": res["bad_requests"],
             "service": res["service"]}
+        if getattr(args, "quiet", False):
+            continue
         print(f"replay {device} {res['method']}: load {out['methods'][res['method']]['load_s_mean']:.3f} s "
               f"prefill {out['methods'][res['method']]['prefill_s_mean']:.3f} s "
               f"sessions within {args.ttft_limit} s: {served} "

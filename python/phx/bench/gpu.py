@@ -24,7 +24,7 @@ follows another's writes), ``--repeat`` times (median and spread reported):
 
 Writes end with an fsync for every method.  CPU cost: user + system seconds
 of the process and its children (getrusage) per GB moved.  Without a GPU the
-command says so and exits 0.
+command says so on one line and exits 2 (nothing measured).
 
 ``--pattern stream`` (alone or beside the others) measures the stream-ordered
 path (``phx.gpu.read_async``/``write_async`` on one and on N streams) beside

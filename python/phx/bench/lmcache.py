@@ -25,7 +25,7 @@ randomly initialised Llama-3-8B-shaped model, and the sessions served
 within a 5 s TTFT.
 
 Needs torch with CUDA and lmcache 0.5.6 (``adapters/lmcache/tools/
-lmcache-deps.sh``); without them it says why and exits 0.
+lmcache-deps.sh``); without them it says why on one line and exits 2.
 """
 from __future__ import annotations
 
@@ -37,26 +37,33 @@ import sys
 import time
 from typing import Any
 
-from phx.bench._common import drop_caches, fmt_table, median_spread, parse_size, write_json
+from phx.bench._common import (BenchError, add_common_arguments, bench_dir, checked, csv,
+                               drop_caches, fmt_table, median_spread, parse_size,
+                               positive_int, positive_size, write_json)
 
 MiB, GiB = 1 << 20, 1 << 30
 METHODS = ("phx", "cufile", "host-buffered", "host-odirect")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="chunks,replay", help="chunks, replay or both (default)")
-    p.add_argument("--dir", default=None,
-                   help="directory on the disk (default $PHX_BENCH_DIR or /var/tmp/phxbench)")
-    p.add_argument("--zram", metavar="SIZE", default=None,
+    # checked here, kept as text: the run parses them
+    p.add_argument("--mode", type=checked(csv(str, allowed=("chunks", "replay"))),
+                   default="chunks,replay", help="chunks, replay or both (default)")
+    p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also run on a zram ext4 of SIZE (root)")
     p.add_argument("--no-disk", action="store_true", help="zram rows only")
-    p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
-    p.add_argument("--chunks", type=int, default=128, help="chunks per store/load row (default 128 = 4 GiB)")
-    p.add_argument("--latency-chunks", type=int, default=32, help="chunks timed one by one (default 32)")
-    p.add_argument("--repeat", type=int, default=3, help="repeats per row (default 3)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per chunk (default 256)")
-    p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--plot", default=None, help="write a plot here (PNG)")
+    p.add_argument("--methods", type=checked(csv(str, allowed=METHODS)), default=",".join(METHODS),
+                   help="subset of " + ",".join(METHODS))
+    p.add_argument("--chunks", type=positive_int, default=128,
+                   help="chunks per store/load row (default 128 = 4 GiB)")
+    p.add_argument("--latency-chunks", type=positive_int, default=32,
+                   help="chunks timed one by one (default 32)")
+    p.add_argument("--tokens", type=positive_int, default=256,
+                   help="tokens per chunk (default 256)")
+    # no --keep: each method's files go as soon as it is done (the next needs the room)
+    add_common_arguments(
+        p, dir_help="directory on the disk (default $PHX_BENCH_DIR or /var/tmp/phxbench)",
+        repeat=3, quiet_help="no per-row lines on stderr")
     from phx.bench import _lmcache_replay
     _lmcache_replay.add_arguments(p)
 
@@ -178,10 +185,11 @@ def chunk_rows(args, device: str, directory: str, results: list, notes: dict) ->
                     continue
                 r.update(device=device, repeat=rep, chunk_bytes=src.chunk, chunks=n)
                 results.append(r)
-                print(f"{device:5} {r['method']:14} store {r['store_gbps']:6.2f} GB/s  "
-                      f"load {r['load_gbps']:6.2f} GB/s  p50 {r['load_p50_ms']:7.2f} ms  "
-                      f"p99 {r['load_p99_ms']:7.2f} ms  exact={r['byte_exact']}",
-                      file=sys.stderr)
+                if not args.quiet:
+                    print(f"{device:5} {r['method']:14} store {r['store_gbps']:6.2f} GB/s  "
+                          f"load {r['load_gbps']:6.2f} GB/s  p50 {r['load_p50_ms']:7.2f} ms  "
+                          f"p99 {r['load_p99_ms']:7.2f} ms  exact={r['byte_exact']}",
+                          file=sys.stderr)
     finally:
         for m in opened.values():
             m.close()
@@ -256,11 +264,9 @@ def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
 def run(args) -> int:
     why = _why_not()
     if why:
-        print(f"phx bench lmcache: not run: {why}")
-        return 0
+        raise BenchError(f"not run: {why}; nothing measured")
     modes = set(args.mode.split(","))
-    directory = args.dir or os.environ.get("PHX_BENCH_DIR") or "/var/tmp/phxbench"
-    os.makedirs(directory, exist_ok=True)
+    directory = bench_dir(args.dir, "/var/tmp/phxbench")
     results: list[dict] = []
     notes: dict[str, str] = {}
     replay: dict[str, Any] = {}
@@ -305,4 +311,7 @@ def run(args) -> int:
     for s in bad:
         print(f"phx bench lmcache: {s['device']} {s['method']}: loaded bytes differ!",
               file=sys.stderr)
+    if not summary and not any(r.get("methods") for r in replay.values()):
+        print("phx bench lmcache: nothing was measured", file=sys.stderr)
+        return 1
     return 1 if bad else 0
