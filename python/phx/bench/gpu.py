@@ -40,7 +40,6 @@ once with their threads each: what the storage gives to N readers.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import resource
 import subprocess
@@ -138,7 +137,8 @@ def _make_file(path: str, size: int, seed: int) -> None:
     import numpy as np
     rng = np.random.default_rng(seed)
     chunk = 64 * MiB
-    buf = mmap.mmap(-1, chunk)
+    import phx
+    buf = phx.empty_aligned(chunk)
     arr = np.frombuffer(buf, dtype=np.uint8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -150,7 +150,6 @@ def _make_file(path: str, size: int, seed: int) -> None:
     finally:
         os.close(fd)
         del arr
-        buf.close()
 
 
 def _fs_of(path: str) -> str:
@@ -203,17 +202,18 @@ def chunk_pattern(file_size: int, chunk: int, nbytes: int, seed: int) -> Pattern
 # methods (each returns seconds for moving pattern.total bytes)
 # ---------------------------------------------------------------------------
 
-_HOST: dict[int, mmap.mmap] = {}
+_HOST: dict[int, Any] = {}
 HOST_MAX = GiB
 
 
-def _host_buffer(n: int) -> mmap.mmap:
+def _host_buffer(n: int):
     """A page-aligned host buffer of n bytes of random data for raw O_DIRECT
     (kept for the next row of the same size)."""
     import numpy as np
     if n not in _HOST:
         _HOST.clear()
-        m = mmap.mmap(-1, n)
+        import phx
+        m = phx.empty_aligned(n)
         a = np.frombuffer(m, dtype=np.uint8)
         rng = np.random.default_rng(3)
         for off in range(0, n, 64 * MiB):

@@ -22,7 +22,7 @@ Engines
           completion reaped at once, no buffer scrambling, no latency
           accounting; one job, same file, same block size, time-based.
   preadv  ``os.preadv``/``os.pwritev`` on an ``O_DIRECT`` descriptor from QD
-          Python threads, each with its own page-aligned (mmap) buffer.
+          Python threads, each with its own page-aligned buffer.
   (fio keeps QD buffers; all three touch about as much memory.)
 
 Writes are timed with an fsync at the end, for every engine (phx
@@ -326,9 +326,11 @@ def prepare_target(path: str | None, size: int, keep: bool = False) -> Target:
     return Target(name, size, [] if keep else [name, *made])
 
 
-def _aligned(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory (O_DIRECT-safe) that needs no phx."""
-    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+def _aligned(nbytes: int) -> memoryview:
+    """Page-aligned memory (O_DIRECT-safe) from phx's one allocator
+    (:func:`phx.empty_aligned`), writable by slices; the raw rows do no phx I/O."""
+    import phx
+    return memoryview(phx.empty_aligned(max(nbytes, mmap.PAGESIZE)))
 
 
 def write_test_file(path: str, size: int, seed: int | None) -> float:
@@ -448,7 +450,7 @@ class PreadvEngine:
                 errors.append(e)
                 start.abort()
             finally:
-                view.release()  # the mmap can close even if the error outlives us
+                view.release()  # the buffer can go even if the error outlives us
                 finished[i].set()
 
         # Set by each worker on its way out; Thread.join() is not to be trusted after
@@ -485,7 +487,7 @@ class PreadvEngine:
                     done.wait()
             os.close(fd)
             for b in bufs:
-                b.close()
+                b.release()
         if errors:
             raise errors[0]
         secs = max(ends) - t0 + fsync_s

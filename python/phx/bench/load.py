@@ -60,7 +60,6 @@ import concurrent.futures
 import hashlib
 import json
 import math
-import mmap
 import os
 import random
 import resource
@@ -256,7 +255,8 @@ def _raw(d: str, threads: int) -> tuple[float, int]:
     done = [0] * threads
 
     def run(i):
-        buf = mmap.mmap(-1, block)
+        import phx
+        buf = phx.empty_aligned(block)
         mv = memoryview(buf)
         try:
             for p, o, n in work[i::threads]:
@@ -270,7 +270,6 @@ def _raw(d: str, threads: int) -> tuple[float, int]:
             errs.append(e)
         finally:
             mv.release()
-            buf.close()
 
     th = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     t0 = time.perf_counter()

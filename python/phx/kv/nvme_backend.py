@@ -30,15 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
+from phx.kv import _sys
 from phx.kv.slab import Extent, ExtentAllocator
 
 ENV = "PHX_KV_NVME"
-
-
-def _aligned(n: int) -> np.ndarray:
-    raw = np.empty(n + 4096, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 4096
-    return raw[off:off + n]
 
 
 class NvmeBackend:
@@ -139,7 +134,7 @@ class NvmeBackend:
         """
         a = self.alignment
         lo = start // a * a
-        blk = _aligned(a * (-(-(end - lo) // a)))
+        blk = _sys.aligned_empty(a * (-(-(end - lo) // a)))
         self._check(self.ns.read(blk, lo), blk.nbytes, lo)
         return lo, blk
 
