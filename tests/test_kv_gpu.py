@@ -26,8 +26,8 @@ import pytest
 
 
 
-def _run_fake(fake_cuda, tmp_path, script: str) -> str:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_cuda))
+def _run_fake(fake_cuda, tmp_path, script: str, devices: int = 1) -> str:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_cuda), FAKE_CUDA_DEVICES=str(devices))
     r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(script),
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -208,6 +208,186 @@ def test_pipeline_on_gpu_relays(fake_cuda, tmp_path):
         st.destroy()
         print("ok")
     """)
+
+
+# -- libphx's pinned memory and copy streams (what the relays stand on) ----------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def host_test_build(fake_libcuda, tmp_path_factory):
+    """tests/gpu_fake/cuda_host_test.c with every libphx source, under
+    AddressSanitizer (leaks of streams, registrations and contexts included)."""
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc or not os.path.exists("/usr/include/liburing.h"):
+        pytest.skip("needs a C compiler and liburing headers")
+    d = tmp_path_factory.mktemp("cudahost")
+    src = [os.path.join(ROOT, "libphx", "src", f)
+           for f in sorted(os.listdir(os.path.join(ROOT, "libphx", "src"))) if f.endswith(".c")]
+    subprocess.run([cc, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
+                    "-D_GNU_SOURCE", f"-I{ROOT}/libphx/include", f"-I{ROOT}/libphx/src",
+                    f"-I{ROOT}/kernel/include/uapi", "-o", str(d / "cuda_host_test"),
+                    os.path.join(ROOT, "tests", "gpu_fake", "cuda_host_test.c"), *src,
+                    "-luring", "-ldl", "-lpthread"], check=True)
+    return d / "cuda_host_test"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_c_host_memory_and_copy_streams(fake_libcuda, host_test_build, devices):
+    """The C ABI under the relays (PHX_0.7), tests/gpu_fake/cuda_host_test.c: pin
+    and unpin once each with the primary context held meanwhile, byte-exact copies
+    both ways, a copy after a slow producer sees its bytes, a capturing producer
+    refused, errors naming the driver call, any thread (none current, another
+    device's current) with what was current restored; two devices: all on device 1."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_libcuda), FAKE_CUDA_DEVICES=str(devices))
+    r = subprocess.run([str(host_test_build)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all passed" in r.stdout
+
+
+def test_pin_and_copy_stream(fake_cuda, tmp_path):
+    """phx.gpu.pin / CopyStream: page-locked exactly while pinned (the buffer held:
+    a pinned bytearray cannot be resized), copies both ways byte-exact from numpy,
+    bytearray, AlignedBuffer and int addresses into __cuda_array_interface__ memory,
+    ordered after a slow producer with after(), size and read-only checks, OSError
+    naming the call for a bad device address; contexts and pins all given back."""
+    _run_fake(fake_cuda, tmp_path, r"""
+        hostreg = lib.fake_host_registered
+        live = lambda: hostreg(ctypes.byref(ctypes.c_size_t()))
+        refs0, live0 = lib.fake_ctx_retained(0), live()
+        n = 300_001
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        p = phx.gpu.pin(src, 0)
+        assert p.pinned and p.nbytes == n and p.address == src.ctypes.data and live() == live0 + 1
+        ba = bytearray(n)
+        with phx.gpu.pin(ba, 0):
+            try:
+                ba.extend(b"x")
+                raise AssertionError("a pinned bytearray was resized")
+            except BufferError:
+                pass
+        assert live() == live0 + 1
+        g = Dev(n)
+        cs = phx.gpu.CopyStream(0)
+        assert cs.handle
+        cs.h2d(g, src)
+        cs.synchronize()
+        assert (g.host() == src).all()
+        cs.d2h(ba, g)
+        al = phx.empty_aligned(n)
+        cs.d2h(al, g.ptr, n)
+        cs.synchronize()
+        assert bytes(ba) == src.tobytes() == bytes(al)
+        # int addresses, partial sizes
+        cs.h2d(g.ptr + 10, src.ctypes.data, 1000)
+        cs.synchronize()
+        assert (g.host()[10:1010] == src[:1000]).all()
+        # ordered after a producer that is slow, then writes the bytes
+        s = ctypes.c_void_p()
+        assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+        want = rng.integers(0, 256, n, dtype=np.uint8)
+        lib.fake_sleep_async(s, ctypes.c_ulong(200000))
+        lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(g.ptr), ctypes.c_void_p(want.ctypes.data),
+                                 ctypes.c_size_t(n), s)
+        out = np.zeros(n, np.uint8)
+        cs.after(s.value)
+        cs.d2h(out, g)
+        cs.synchronize()
+        assert (out == want).all(), "copied before the producer was done"
+        cs.after(None)
+        # checks before any copy is queued
+        for bad in (lambda: cs.h2d(g, np.zeros(n + 1, np.uint8)),
+                    lambda: cs.d2h(np.zeros(n + 1, np.uint8), g),
+                    lambda: cs.h2d(g, src, n + 1)):
+            try:
+                bad()
+                raise AssertionError("too large a copy was queued")
+            except ValueError:
+                pass
+        try:
+            cs.d2h(bytes(n), g)
+            raise AssertionError("a read-only destination was accepted")
+        except phx.BufferReadOnlyError:
+            pass
+        try:
+            cs.d2h(src[::2], g, 100)
+            raise AssertionError("a strided destination was accepted")
+        except phx.BufferNotContiguousError:
+            pass
+        lib.cuMemFree_v2(ctypes.c_uint64(g.ptr))
+        try:
+            cs.h2d(g.ptr, src.ctypes.data, 4096)
+            raise AssertionError("a copy to freed memory was queued")
+        except OSError as e:
+            assert e.errno == 22 and "cuMemcpyHtoDAsync" in str(e), e
+        cs.close(); cs.close()
+        try:
+            cs.synchronize()
+            raise AssertionError("a closed stream was used")
+        except ValueError:
+            pass
+        p.close(); p.close()
+        assert not p.pinned and live() == live0
+        assert lib.fake_ctx_retained(0) == refs0, (lib.fake_ctx_retained(0), refs0)
+        print("ok")
+    """)
+
+
+def test_relays_pin_through_libphx_on_a_second_device(fake_cuda, tmp_path):
+    """Two devices, the store on device 1, nothing current in the calling threads:
+    the relays are pinned through libphx while the pool lives (one registration
+    each, device 1's primary context held), their copies land on device 1
+    byte-exact (both groups), a GPU buffer of device 0 is refused, and closing the
+    pool gives every registration and context reference back."""
+    _run_fake(fake_cuda, tmp_path, r"""
+        hostreg = lib.fake_host_registered
+        live = lambda: hostreg(ctypes.byref(ctypes.c_size_t()))
+        live0, refs0 = live(), lib.fake_ctx_retained(1)
+        ctx = [ctypes.c_void_p(), ctypes.c_void_p()]
+        for i in (0, 1):
+            assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx[i]), i) == 0
+        def on(dev, n):
+            assert lib.cuCtxPushCurrent_v2(ctx[dev]) == 0
+            try:
+                return Dev(n)
+            finally:
+                lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        shape = (48, 8, 16)                               # 256-byte rows
+        st = KVStore(os.path.join(d, "s"), budget=2 * 2 * 12288, device=1, copy_threads=3)
+        kv = [st.allocate(L, shape, np.float16) for L in range(4)]
+        st.plan()
+        model = {}
+        for k, v in kv:
+            for t in (k, v):
+                data = rng.integers(0, 256, 48 * 256, dtype=np.uint8)
+                src = on(1, 48 * 256)
+                src.fill(data)
+                st.write(t, 0, src)
+                model[t.id] = data
+        pool = st.relay_pool
+        assert pool.device == 1 and len(pool.relays) == 3
+        assert live() == live0 + 3, (live(), live0)
+        assert lib.fake_ctx_retained(1) >= refs0 + 3
+        assert all(r.pinned and r.stream for r in pool.relays)
+        assert {t.group for t in st.tensors()} == {PAGECACHE, DIRECT}
+        for t in st.tensors():
+            out = on(1, 40 * 256)
+            st.read(t, 3, 43, out=out)
+            assert (out.host() == model[t.id][3 * 256:43 * 256]).all(), t
+        try:
+            st.read(kv[0][0], 0, 48, out=on(0, 48 * 256))
+            raise AssertionError("a device-0 buffer went through device-1 relays")
+        except ValueError:
+            pass
+        st.destroy()
+        assert live() == live0, (live(), live0)
+        for i in (0, 1):
+            lib.cuDevicePrimaryCtxRelease_v2(i)
+        assert lib.fake_ctx_retained(1) == refs0, (lib.fake_ctx_retained(1), refs0)
+        print("ok")
+    """, devices=2)
 
 
 # -- a real GPU ---------------------------------------------------------------------

@@ -332,6 +332,67 @@ int phx_cuda_submit_async(phx_cuda *cu, const struct phx_cuda_async *a);
 const char *phx_cuda_memops_why(const phx_cuda *cu);
 
 /* ------------------------------------------------------------------------ */
+/* Pinned host memory and copy streams (PHX_0.7)                            */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * For callers that move bytes between host buffers of their own and GPU
+ * memory themselves (phx.kv's Co-DMA relays: one pinned buffer and one
+ * stream per copy thread), with no staging context: nothing is pinned but
+ * what the caller registers, no thread is started.  Every call makes
+ * @device's primary context (the one PyTorch and CuPy use) current for its
+ * duration and restores what was current, so any thread may call.
+ */
+
+/*
+ * Page-lock [@ptr, @ptr + @len) for the copy engine (cuMemHostRegister,
+ * portable: every context may copy from and to it).  The registration
+ * lives in @device's primary context, which stays retained until
+ * phx_cuda_host_unregister(@device, @ptr); the memory must stay mapped
+ * until then.  Unaligned ranges are allowed (the driver pins whole pages).
+ * 0, -EINVAL (NULL or empty), -ENODEV (no such device, or no CUDA), or the
+ * driver's error (-ENOMEM when it cannot pin, -EINVAL for a range that
+ * overlaps one already registered).
+ */
+int phx_cuda_host_register(int device, void *ptr, size_t len);
+int phx_cuda_host_unregister(int device, void *ptr);
+
+typedef struct phx_cuda_stream phx_cuda_stream;
+
+/*
+ * A non-blocking CUDA stream of @device's primary context, with what it
+ * needs to order its work after another stream's.  Copies queued on one
+ * phx_cuda_stream run in order; phx_cuda_stream_destroy() waits for them,
+ * then frees it (0, or the error of that wait).
+ */
+int phx_cuda_stream_create(int device, phx_cuda_stream **out);
+int phx_cuda_stream_destroy(phx_cuda_stream *s);
+
+/* The CUstream, for the caller's own CUDA calls (NULL for NULL). */
+void *phx_cuda_stream_handle(const phx_cuda_stream *s);
+
+/*
+ * Work queued on @s from now on waits until the work queued on @producer
+ * (NULL: the legacy default stream) at the time of the call is done; the
+ * host does not wait.  -EBUSY when @producer is capturing a CUDA graph.
+ */
+int phx_cuda_stream_after(phx_cuda_stream *s, void *producer);
+
+/*
+ * Queue a copy of @len bytes on @s: host -> device (h2d) or device -> host
+ * (d2h).  Asynchronous to the host when the host memory is page-locked
+ * (phx_cuda_host_register()); the memory must stay valid until
+ * phx_cuda_stream_sync().  0, or the driver's error for the call (a device
+ * address that is not device memory of @s's device: -EINVAL).  A copy that
+ * fails while it runs is reported by phx_cuda_stream_sync().
+ */
+int phx_cuda_stream_h2d(phx_cuda_stream *s, uint64_t dst, const void *src, size_t len);
+int phx_cuda_stream_d2h(phx_cuda_stream *s, void *dst, uint64_t src, size_t len);
+
+/* Wait until everything queued on @s so far has run; 0 or -errno. */
+int phx_cuda_stream_sync(phx_cuda_stream *s);
+
+/* ------------------------------------------------------------------------ */
 /* Counters                                                                 */
 /* ------------------------------------------------------------------------ */
 

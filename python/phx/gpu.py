@@ -31,6 +31,11 @@ Batches: :func:`pread_batch` / :func:`pwrite_batch` (a list of buffers) and
 GPU buffer, e.g. KV blocks) submit everything with one call; the requests
 share staging buffers and a few copy calls (``cuMemcpyBatchAsync``).
 
+Host memory the caller moves itself: :func:`pin` page-locks a host buffer for
+a device and :class:`CopyStream` queues H2D / D2H copies on a stream of the
+device's primary context (ordered after another stream with ``after``), with no
+staging context (phx.kv's Co-DMA relays).
+
 Files used for GPU I/O are held while it is in flight: ``File.close()``
 then fails with ``EBUSY`` (wait for the futures / synchronise the stream).
 
@@ -50,8 +55,9 @@ from collections import deque
 from typing import Any
 
 __all__ = [
-    "GPUBatch", "GPUFuture", "StreamOp", "context", "engine_stats", "is_available",
-    "is_device_buffer", "pread", "pread_async", "pread_batch", "pwrite", "pwrite_async",
+    "CopyStream", "GPUBatch", "GPUFuture", "PinnedMemory", "StreamOp", "context",
+    "engine_stats", "is_available", "is_device_buffer", "pin",
+    "pread", "pread_async", "pread_batch", "pwrite", "pwrite_async",
     "pwrite_batch", "read_async", "read_chunks", "read_chunks_async", "stats",
     "write_async", "write_chunks", "write_chunks_async",
 ]
@@ -526,6 +532,160 @@ def write_async(buf, file, offset: int = 0, stream=None) -> StreamOp:
     kernels queued before it produced; later stream work runs once the bytes
     are in the file."""
     return StreamOp(_submit(file, buf, offset, True, True, stream))
+
+
+# ---------------------------------------------------------------------------
+# Pinned host memory and copy streams (no staging context)
+# ---------------------------------------------------------------------------
+
+class PinnedMemory:
+    """A host buffer page-locked for the copy engine of ``device`` (libphx's
+    ``phx_cuda_host_register``: ``cuMemHostRegister``, portable) until
+    :meth:`close`; the buffer is held meanwhile (it cannot be resized).
+    Pinned memory is what makes :class:`CopyStream` copies asynchronous, and it
+    can also be an io_uring fixed buffer (``Engine.register_buffer``)."""
+
+    def __init__(self, buf, device: int = 0):
+        _require()
+        self.device = int(device)
+        self._reg = _cuda.HostRegistration(buf, self.device)
+
+    @property
+    def address(self) -> int:
+        return self._reg.address
+
+    @property
+    def nbytes(self) -> int:
+        return self._reg.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        return self._reg.pinned
+
+    def close(self) -> None:
+        """Unpin (idempotent)."""
+        self._reg.close()
+
+    def __enter__(self) -> "PinnedMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pin(buf, device: int = 0) -> PinnedMemory:
+    """Page-lock the host buffer ``buf`` (any contiguous buffer-protocol object)
+    for copies to and from ``device``; see :class:`PinnedMemory`."""
+    return PinnedMemory(buf, device)
+
+
+def _host_ptr(obj, nbytes: int | None, writable: bool, keep: list) -> tuple[int, int]:
+    """(address, nbytes) of host memory: an int address (``nbytes`` needed), a
+    contiguous CPU torch tensor or a buffer-protocol object (kept in ``keep``)."""
+    if isinstance(obj, int):
+        if nbytes is None:
+            raise TypeError("nbytes is needed with a host address")
+        return obj, int(nbytes)
+    t = sys.modules.get("torch")
+    if t is not None and isinstance(obj, t.Tensor):
+        if obj.is_cuda or not obj.is_contiguous():
+            raise BufferNotContiguousError(22, "need a contiguous CPU tensor for host memory")
+        addr, n = obj.data_ptr(), obj.numel() * obj.element_size()
+    else:
+        try:
+            addr, n = _cuda.host_buffer(obj, writable)
+        except (BufferError, ValueError) as e:   # numpy: ValueError when strided
+            cls = BufferReadOnlyError if writable and "writable" in str(e) else \
+                BufferNotContiguousError
+            raise cls(22, f"host buffer: {e}") from None
+    keep.append(obj)
+    if nbytes is not None:
+        if nbytes > n:
+            raise ValueError(f"{nbytes} bytes do not fit the host buffer ({n})")
+        n = int(nbytes)
+    return addr, n
+
+
+class CopyStream:
+    """A CUDA stream of ``device``'s primary context for copies between host
+    memory and the GPU, with no staging context (no lanes, nothing pinned but
+    what the caller pins): libphx's ``phx_cuda_stream``.  phx.kv's Co-DMA relays
+    are one :func:`pin`-ned buffer and one of these per copy thread.
+
+    Copies are queued in order and run asynchronously to the host when the host
+    memory is pinned; :meth:`synchronize` waits for them (and lets go of the
+    host objects they used).  Host memory: buffer-protocol objects, CPU torch
+    tensors, or int addresses; GPU memory: CUDA tensors,
+    ``__cuda_array_interface__``, DLPack, or int device addresses.  Errors are
+    ``OSError`` naming the driver call.  Any thread may use it (one at a time)."""
+
+    def __init__(self, device: int = 0):
+        _require()
+        self.device = int(device)
+        self._s = _cuda.Stream(self.device)
+        self._keep: list = []
+
+    @property
+    def handle(self) -> int:
+        """The CUstream as an int (for torch.cuda.ExternalStream and the like)."""
+        return self._s.handle
+
+    def _gpu(self, obj, nbytes: int | None) -> tuple[int, int | None]:
+        if isinstance(obj, int):
+            return obj, nbytes
+        v = _view(obj)
+        if v.device != self.device:
+            raise ValueError(f"GPU buffer on device {v.device}, stream on {self.device}")
+        self._keep.append(v)
+        if nbytes is not None and nbytes > v.nbytes:
+            raise ValueError(f"{nbytes} bytes do not fit the GPU buffer ({v.nbytes})")
+        return v.ptr, v.nbytes if nbytes is None else nbytes
+
+    def after(self, stream=None) -> None:
+        """Copies queued from now on wait for the work queued on ``stream`` now
+        (a CUstream int, a torch/CuPy stream; None: the legacy default
+        stream).  The host does not wait."""
+        self._s.after(_stream_handle(stream))
+
+    def h2d(self, dst, src, nbytes: int | None = None) -> None:
+        """Queue a copy of host ``src`` into GPU ``dst`` (``nbytes``: default
+        the whole of ``src``)."""
+        d, dn = self._gpu(dst, nbytes)
+        s, n = _host_ptr(src, nbytes if nbytes is not None else
+                         (None if not isinstance(src, int) else dn), False, self._keep)
+        if dn is not None and n > dn:
+            raise ValueError(f"{n} bytes do not fit the GPU buffer ({dn})")
+        self._s.h2d(d, s, n)
+
+    def d2h(self, dst, src, nbytes: int | None = None) -> None:
+        """Queue a copy of GPU ``src`` into host ``dst`` (``nbytes``: default
+        the whole of ``dst``)."""
+        s, sn = self._gpu(src, nbytes)
+        d, n = _host_ptr(dst, nbytes if nbytes is not None else
+                         (None if not isinstance(dst, int) else sn), True, self._keep)
+        if sn is not None and n > sn:
+            raise ValueError(f"{n} bytes exceed the GPU buffer ({sn})")
+        self._s.d2h(d, s, n)
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far has run."""
+        try:
+            self._s.synchronize()
+        finally:
+            self._keep.clear()
+
+    def close(self) -> None:
+        """Wait for the queued copies and free the stream (idempotent)."""
+        try:
+            self._s.close()
+        finally:
+            self._keep.clear()
+
+    def __enter__(self) -> "CopyStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------------------

@@ -118,3 +118,16 @@ cdef extern from "phx_cuda.h" nogil:
     void phx_cuda_stats_reset(phx_cuda *cu)
     const char *phx_cuda_memops_why(const phx_cuda *cu)
     int phx_cuda_set_early_reads(phx_cuda *cu, int on)
+
+    # PHX_0.7: pinned host memory and copy streams without a staging context
+    ctypedef struct phx_cuda_stream:
+        pass
+    int phx_cuda_host_register(int device, void *ptr, size_t len)
+    int phx_cuda_host_unregister(int device, void *ptr)
+    int phx_cuda_stream_create(int device, phx_cuda_stream **out)
+    int phx_cuda_stream_destroy(phx_cuda_stream *s)
+    void *phx_cuda_stream_handle(const phx_cuda_stream *s)
+    int phx_cuda_stream_after(phx_cuda_stream *s, void *producer)
+    int phx_cuda_stream_h2d(phx_cuda_stream *s, uint64_t dst, const void *src, size_t len)
+    int phx_cuda_stream_d2h(phx_cuda_stream *s, void *dst, uint64_t src, size_t len)
+    int phx_cuda_stream_sync(phx_cuda_stream *s)

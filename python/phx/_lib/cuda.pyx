@@ -4,6 +4,7 @@
 Everything here takes raw addresses (``phx_file *``, ``phx_engine *``,
 CUdeviceptr, CUstream) as ints; :mod:`phx.gpu` holds the Pythonic layer.
 """
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from libc.errno cimport EINVAL
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
@@ -511,3 +512,169 @@ def _u64(seq):
 
 def _addr(a) -> int:
     return a.ctypes.data if a.size else 0
+
+
+# ---------------------------------------------------------------------------
+# Pinned host memory and copy streams (PHX_0.7): no staging context
+# ---------------------------------------------------------------------------
+
+cdef class HostRegistration:
+    """Host memory of a buffer-protocol object page-locked for ``device``'s
+    copies (phx_cuda_host_register) until :meth:`close`; the object's buffer
+    is held (it cannot be resized or freed) meanwhile."""
+    cdef Py_buffer view
+    cdef bint held
+    cdef bint _pinned
+    cdef readonly int device
+    cdef readonly int pid
+
+    def __cinit__(self, obj, int device=0):
+        cdef int rc
+        self.held = self._pinned = False
+        PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
+        self.held = True
+        self.device = device
+        self.pid = _os.getpid()
+        if self.view.len == 0:
+            return                      # nothing to pin
+        with nogil:
+            rc = phx_cuda_host_register(device, self.view.buf, <size_t>self.view.len)
+        if rc < 0:
+            PyBuffer_Release(&self.view)
+            self.held = False
+            raise _err(rc, None, "pinning host memory")
+        self._pinned = True
+
+    def __dealloc__(self):
+        if self._pinned and self.pid == _os.getpid():
+            phx_cuda_host_unregister(self.device, self.view.buf)
+        self._pinned = False
+        if self.held:
+            PyBuffer_Release(&self.view)
+            self.held = False
+
+    @property
+    def address(self) -> int:
+        return <uintptr_t>self.view.buf if self.held else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.len if self.held else 0
+
+    @property
+    def pinned(self) -> bool:
+        """True while the memory is page-locked."""
+        return self._pinned
+
+    def close(self) -> None:
+        """Unpin (idempotent) and let the buffer go."""
+        cdef int rc = 0
+        if self._pinned:
+            self._pinned = False
+            if self.pid == _os.getpid():
+                with nogil:
+                    rc = phx_cuda_host_unregister(self.device, self.view.buf)
+        if self.held:
+            PyBuffer_Release(&self.view)
+            self.held = False
+        if rc < 0:
+            raise _err(rc, None, "unpinning host memory")
+
+
+cdef class Stream:
+    """A CUDA stream of ``device``'s primary context for copies between host
+    memory and the GPU (phx_cuda_stream); addresses are ints."""
+    cdef phx_cuda_stream *s
+    cdef readonly int device
+    cdef readonly int pid
+
+    def __cinit__(self, int device=0):
+        cdef int rc
+        self.s = NULL
+        with nogil:
+            rc = phx_cuda_stream_create(device, &self.s)
+        if rc < 0:
+            self.s = NULL
+            raise _err(rc, None, "creating a copy stream")
+        self.device = device
+        self.pid = _os.getpid()
+
+    def __dealloc__(self):
+        if self.s != NULL and self.pid == _os.getpid():
+            with nogil:
+                phx_cuda_stream_destroy(self.s)
+        self.s = NULL
+
+    cdef phx_cuda_stream *_get(self) except NULL:
+        if self.s == NULL:
+            raise ValueError("copy stream is closed")
+        if self.pid != _os.getpid():
+            raise RuntimeError("copy stream used after fork (CUDA does not survive fork)")
+        return self.s
+
+    @property
+    def handle(self) -> int:
+        """The CUstream as an int."""
+        return <uintptr_t>phx_cuda_stream_handle(self._get())
+
+    def after(self, uintptr_t producer=0) -> None:
+        """Work queued from now on waits for what ``producer`` (a CUstream int;
+        0: the legacy default stream) has queued now."""
+        cdef phx_cuda_stream *s = self._get()
+        cdef int rc
+        with nogil:
+            rc = phx_cuda_stream_after(s, <void *>producer)
+        if rc < 0:
+            raise _err(rc)
+
+    def h2d(self, uint64_t dst, uintptr_t src, size_t n) -> None:
+        """Queue host ``src`` -> device ``dst``, ``n`` bytes."""
+        cdef phx_cuda_stream *s = self._get()
+        cdef int rc
+        with nogil:
+            rc = phx_cuda_stream_h2d(s, dst, <const void *>src, n)
+        if rc < 0:
+            raise _err(rc)
+
+    def d2h(self, uintptr_t dst, uint64_t src, size_t n) -> None:
+        """Queue device ``src`` -> host ``dst``, ``n`` bytes."""
+        cdef phx_cuda_stream *s = self._get()
+        cdef int rc
+        with nogil:
+            rc = phx_cuda_stream_d2h(s, <void *>dst, src, n)
+        if rc < 0:
+            raise _err(rc)
+
+    def synchronize(self) -> None:
+        """Wait until everything queued so far has run."""
+        cdef phx_cuda_stream *s = self._get()
+        cdef int rc
+        with nogil:
+            rc = phx_cuda_stream_sync(s)
+        if rc < 0:
+            raise _err(rc)
+
+    def close(self) -> None:
+        """Wait for the queued copies, then free the stream (idempotent)."""
+        cdef phx_cuda_stream *s = self.s
+        cdef int rc
+        if s == NULL:
+            return
+        self.s = NULL
+        if self.pid != _os.getpid():
+            return
+        with nogil:
+            rc = phx_cuda_stream_destroy(s)
+        if rc < 0:
+            raise _err(rc)
+
+
+def host_buffer(obj, bint writable=False):
+    """(address, nbytes) of a contiguous host buffer (buffer protocol);
+    BufferError when it is not contiguous (or read-only and ``writable``)."""
+    cdef Py_buffer v
+    PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE | (PyBUF_WRITABLE if writable else 0))
+    try:
+        return <uintptr_t>v.buf, v.len
+    finally:
+        PyBuffer_Release(&v)

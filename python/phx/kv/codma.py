@@ -20,8 +20,9 @@ one call (:meth:`RelayPool.acquire`); more threads than relays wait for one.
 Every H2D / D2H is timed (stream synchronised), so the adaptive pipeline's probe
 measures real copy work.
 
-CUDA is reached through the driver API, loaded at run time (``libcuda.so.1``, as
-phx's GPU module loads it); buffers are recognised and resolved by
+CUDA is reached through libphx (:func:`phx.gpu.pin`, :class:`phx.gpu.CopyStream`:
+``phx_cuda_host_register`` and ``phx_cuda_stream_*``, on the device's primary
+context, the one torch and CuPy use); buffers are recognised and resolved by
 :mod:`phx.gpu` (CUDA torch tensors, ``__cuda_array_interface__``, DLPack).  Without
 a GPU the pool holds plain aligned host relays (``device=None``): what the CPU
 benchmark uses as its stand-in.
@@ -29,76 +30,26 @@ benchmark uses as its stand-in.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 import time
 from typing import Any, Iterator
 
-
 from phx.kv import _sys
 
-CU_MEMHOSTREGISTER_PORTABLE = 0x01
-CU_STREAM_NON_BLOCKING = 0x01
-CU_EVENT_DISABLE_TIMING = 0x02
+
+class CudaError(OSError, RuntimeError):
+    """A CUDA call of a relay failed (an ``OSError`` whose text names the
+    driver call and its error)."""
 
 
-class CudaError(RuntimeError):
-    """A CUDA driver call failed (the call and its error string)."""
-
-
-class _Driver:
-    """The few driver entry points the relays need, loaded once per process."""
-
-    _inst: "_Driver | None" = None
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        vp, sz, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
-        for name, args in (("cuInit", [u]),
-                           ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
-                           ("cuCtxSetCurrent", [vp]),
-                           ("cuMemHostRegister_v2", [vp, sz, u]),
-                           ("cuMemHostUnregister", [vp]),
-                           ("cuStreamCreate", [ctypes.POINTER(vp), u]),
-                           ("cuStreamDestroy_v2", [vp]),
-                           ("cuStreamSynchronize", [vp]),
-                           ("cuStreamWaitEvent", [vp, vp, u]),
-                           ("cuEventCreate", [ctypes.POINTER(vp), u]),
-                           ("cuEventRecord", [vp, vp]),
-                           ("cuEventDestroy_v2", [vp]),
-                           ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, sz, vp]),
-                           ("cuMemcpyDtoHAsync_v2", [vp, ctypes.c_uint64, sz, vp]),
-                           ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])):
-            f = getattr(lib, name)
-            f.argtypes = args
-            f.restype = ctypes.c_int
-        self.lib = lib
-        self._ctx: dict[int, ctypes.c_void_p] = {}
-        self.call("cuInit", 0)
-
-    @classmethod
-    def get(cls) -> "_Driver":
-        with cls._lock:
-            if cls._inst is None:
-                cls._inst = cls()
-            return cls._inst
-
-    def call(self, name: str, *args) -> None:
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            s = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, ctypes.byref(s))
-            raise CudaError(f"{name}: CUDA error {rc} ({(s.value or b'?').decode()})")
-
-    def current(self, device: int) -> None:
-        """Make ``device``'s primary context (the one torch and CuPy use) current."""
-        ctx = self._ctx.get(device)
-        if ctx is None:
-            ctx = ctypes.c_void_p()
-            self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), device)
-            self._ctx[device] = ctx
-        self.call("cuCtxSetCurrent", ctx)
+@contextlib.contextmanager
+def _cuda_errors() -> Iterator[None]:
+    try:
+        yield
+    except CudaError:
+        raise
+    except OSError as e:
+        raise CudaError(e.errno, e.strerror) from e
 
 
 def gpu_view(obj: Any):
@@ -114,7 +65,12 @@ def gpu_view(obj: Any):
 
 
 class Relay:
-    """One copy thread's relay: ``buf`` (uint8, aligned), on ``device`` (None: host)."""
+    """One copy thread's relay: ``buf`` (uint8, aligned), on ``device`` (None: host).
+
+    On a device the buffer is pinned for it (:func:`phx.gpu.pin`) and has its own
+    :class:`phx.gpu.CopyStream`; with ``engine`` it is also one of that engine's
+    io_uring fixed buffers.
+    """
 
     def __init__(self, nbytes: int, device: int | None = None, engine=None):
         self.nbytes = int(nbytes)
@@ -123,18 +79,19 @@ class Relay:
         self.buf[:] = 0                 # touched: charged (and locked) now, not at first use
         self.h2d_bytes = self.d2h_bytes = 0
         self.h2d_s = self.d2h_s = 0.0
-        self._stream = ctypes.c_void_p()
-        self._event = ctypes.c_void_p()
-        self._cuda_registered = False
+        self._addr = self.buf.ctypes.data
+        self._pin = None
+        self._copy = None
         self._engine = None
         if device is not None:
-            drv = _Driver.get()
-            drv.current(device)
-            drv.call("cuMemHostRegister_v2", ctypes.c_void_p(self.buf.ctypes.data),
-                     self.buf.nbytes, CU_MEMHOSTREGISTER_PORTABLE)
-            self._cuda_registered = True
-            drv.call("cuStreamCreate", ctypes.byref(self._stream), CU_STREAM_NON_BLOCKING)
-            drv.call("cuEventCreate", ctypes.byref(self._event), CU_EVENT_DISABLE_TIMING)
+            import phx.gpu
+            try:
+                with _cuda_errors():
+                    self._pin = phx.gpu.pin(self.buf, device)
+                    self._copy = phx.gpu.CopyStream(device)
+            except BaseException:
+                self.close()
+                raise
         if engine is not None:
             # io_uring fixed buffer: O_DIRECT I/O into the relay needs no bounce
             engine.register_buffer(self.buf)
@@ -142,22 +99,29 @@ class Relay:
 
     @property
     def pinned(self) -> bool:
-        return self._cuda_registered
+        return self._pin is not None and self._pin.pinned
 
     @property
     def stream(self) -> int:
         """The CUstream of this relay's copies (0 for a host relay)."""
-        return int(self._stream.value or 0)
+        return self._copy.handle if self._copy is not None else 0
+
+    def _span(self, nbytes: int, offset: int) -> int:
+        if self._copy is None:
+            raise ValueError("a host relay (device=None) makes no GPU copies")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.buf.nbytes:
+            raise ValueError(f"[{offset}, {offset + nbytes}) is outside the relay "
+                             f"({self.buf.nbytes} bytes)")
+        return self._addr + offset
 
     def to_device(self, ptr: int, nbytes: int, offset: int = 0) -> float:
         """Copy ``buf[offset:offset+nbytes]`` to GPU address ``ptr`` on this relay's
         stream and wait for it; returns the seconds it took."""
-        drv = _Driver.get()
+        src = self._span(nbytes, offset)
         t0 = time.perf_counter()
-        drv.current(self.device)
-        drv.call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(ptr),
-                 ctypes.c_void_p(self.buf.ctypes.data + offset), nbytes, self._stream)
-        drv.call("cuStreamSynchronize", self._stream)
+        with _cuda_errors():
+            self._copy.h2d(ptr, src, nbytes)
+            self._copy.synchronize()
         dt = time.perf_counter() - t0
         self.h2d_s += dt
         self.h2d_bytes += nbytes
@@ -165,16 +129,15 @@ class Relay:
 
     def from_device(self, ptr: int, nbytes: int, offset: int = 0, after: int = 0) -> float:
         """Copy ``nbytes`` at GPU address ``ptr`` into ``buf[offset:]`` once the work
-        queued on stream ``after`` (the producer's) is done; waits; seconds taken."""
-        drv = _Driver.get()
+        queued on stream ``after`` (the producer's; 0: the legacy default stream)
+        is done; waits; seconds taken."""
+        dst = self._span(nbytes, offset)
         t0 = time.perf_counter()
-        drv.current(self.device)
-        # ordered after the producer's kernels without blocking the host on them
-        drv.call("cuEventRecord", self._event, ctypes.c_void_p(after or None))
-        drv.call("cuStreamWaitEvent", self._stream, self._event, 0)
-        drv.call("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(self.buf.ctypes.data + offset),
-                 ctypes.c_uint64(ptr), nbytes, self._stream)
-        drv.call("cuStreamSynchronize", self._stream)
+        with _cuda_errors():
+            # ordered after the producer's kernels without blocking the host on them
+            self._copy.after(after or 0)
+            self._copy.d2h(dst, ptr, nbytes)
+            self._copy.synchronize()
         dt = time.perf_counter() - t0
         self.d2h_s += dt
         self.d2h_bytes += nbytes
@@ -184,14 +147,15 @@ class Relay:
         if self._engine is not None:
             self._engine.unregister_buffer(self.buf)
             self._engine = None
-        if self.device is not None and self._cuda_registered:
-            drv = _Driver.get()
-            drv.current(self.device)
-            drv.call("cuStreamSynchronize", self._stream)
-            drv.call("cuEventDestroy_v2", self._event)
-            drv.call("cuStreamDestroy_v2", self._stream)
-            drv.call("cuMemHostUnregister", ctypes.c_void_p(self.buf.ctypes.data))
-            self._cuda_registered = False
+        copy, pin = self._copy, self._pin
+        self._copy = self._pin = None
+        with _cuda_errors():
+            try:
+                if copy is not None:
+                    copy.close()        # waits for the copies still queued
+            finally:
+                if pin is not None:
+                    pin.close()
 
 
 class RelayPool:
