@@ -25,23 +25,28 @@ APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev libblk
 	flex bison libssl-dev \
 	debootstrap
 export PHX_APT_PACKAGES := $(APT_PACKAGES)
+# What `make bench` (`phx bench io`) needs of them: the build, fio, and mkfs,
+# mount and modprobe for its zram rows.
+APT_BENCH_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev libblkid-dev \
+	python3-venv python3-dev fio e2fsprogs util-linux mount kmod
 
 # The bench's RAM-speed row set: ext4 on a zram device of this size, made for
 # the run and removed after it (skipped, with the reason, where it cannot be).
 BENCH_ZRAM ?= 2g
 # Extra `phx bench io` options for `make bench`, e.g. a short run:
-#   make bench BENCH_ARGS="--size 64m --runtime 0.1 --repeats 1"
+#   make bench BENCH_ARGS="--size 64m --runtime 0.1 --repeat 1"
 BENCH_ARGS ?=
 RESULTS := results
 
-.PHONY: all deps venv build bench test test-py test-c test-guest test-fresh clean
+.PHONY: all deps deps-bench venv venv-bench build build-bench bench test test-py test-c \
+	test-guest test-fresh clean
 
 all: build
 
 # System packages: apt-get runs only when one of the list is not installed
 # (dpkg's "ii"; `dpkg -s` also succeeds for removed packages that left config).
-deps:
-	@missing=; for p in $(APT_PACKAGES); do \
+define apt_install
+	@missing=; for p in $(1); do \
 		dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || \
 			missing="$$missing $$p"; \
 	done; \
@@ -51,14 +56,27 @@ deps:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
 			--no-install-recommends $$missing; \
 	fi
+endef
 
-$(VPY): | deps
+deps:
+	$(call apt_install,$(APT_PACKAGES))
+
+deps-bench:
+	$(call apt_install,$(APT_BENCH_PACKAGES))
+
+$(VPY): | deps-bench
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
-# torch is optional: the CPU build is installed for the tests when available.
-venv: deps $(VPY)
-	$(VPY) -m pip install -q "scikit-build-core>=0.10" "cython>=3.0" pytest numpy matplotlib tqdm
+# What `make bench` needs in the venv: the build tools, numpy and phx[bench]'s
+# matplotlib (--plot) and tqdm.
+venv-bench: deps-bench $(VPY)
+	$(VPY) -m pip install -q "scikit-build-core>=0.10" "cython>=3.0" numpy matplotlib tqdm
+
+# Everything the tests use.  torch is optional: the CPU build is installed for
+# the tests when available.
+venv: deps venv-bench
+	$(VPY) -m pip install -q pytest
 	$(VPY) -m pip show torch >/dev/null 2>&1 || $(VPY) -m pip install -q "torch==2.13.0" \
 		|| echo "torch not installed: torch tests will skip"
 	@# transformers: the LMCache replay test builds a small random Llama on the CPU
@@ -70,6 +88,9 @@ venv: deps $(VPY)
 	$(VPY) -m pip install -q --no-deps "flexgen==0.1.8" attrs || echo "flexgen not installed: its tests will skip"
 
 build: venv
+	$(VPY) -m pip install -q --no-build-isolation -e .
+
+build-bench: venv-bench
 	$(VPY) -m pip install -q --no-build-isolation -e .
 
 # The real lmcache 0.5.6 (and the small packages its GDS modules import), for
@@ -91,9 +112,10 @@ test-py: build $(LMCACHE_SITE)
 
 test: test-c test-py test-guest
 
-bench: build
+# Only what `phx bench io` needs (build-bench); `make test` installs the rest.
+bench: build-bench
 	mkdir -p $(RESULTS)
-	$(VENV)/bin/phx bench io --path $(RESULTS) --zram $(BENCH_ZRAM) \
+	$(VENV)/bin/phx bench io --dir $(RESULTS) --zram $(BENCH_ZRAM) \
 		--json $(RESULTS)/bench-io.json --plot $(RESULTS)/bench-io.png $(BENCH_ARGS)
 
 # The README's two commands in a clean Debian 12 root built by debootstrap,

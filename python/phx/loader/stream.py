@@ -293,9 +293,13 @@ def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
     pending: deque = deque()
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=sum(j.read_bytes for j in jobs), unit="B", unit_scale=True,
-                   unit_divisor=1024, desc="phx load", dynamic_ncols=True)
+        try:
+            from tqdm import tqdm       # optional (phx[bench]; vLLM has it)
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=sum(j.read_bytes for j in jobs), unit="B", unit_scale=True,
+                       unit_divisor=1024, desc="phx load", dynamic_ncols=True)
     opener = open_file or (lambda p: open_for_data(p, identities.get(p), cached, stats))
     it = iter(jobs)
     flight = 0
