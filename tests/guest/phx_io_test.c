@@ -21,14 +21,19 @@
  *   phx_io_test fixedbuf BDF BAR REGOFF REGLEN DIR  io_uring fixed buffer, exit
  *   phx_io_test info                          print PHX_IOC_INFO
  *
+ *   phx_io_test splice BDF REGOFF REGLEN [rmmod]  a page (BAR 2) held by a
+ *                    pipe past the unregister (and rmmod must not hang)
+ *   phx_io_test nonroot BDF UID GID             ioctls, ALLOW_IOMMU, limits
+ *                    as a non-root member of /dev/phx's group
+ *
  * BDF may be "nv:VA": the NVIDIA provider (phx_nv.ko over nv_p2p_stub.ko)
  * at GPU VA + REGOFF instead of a BAR.  NVIDIA-only commands:
- *   phx_io_test nvcb nv:VA REGOFF REGLEN DIR ROUNDS  free callback under I/O
- *   phx_io_test nvreg nv:VA N                 callback racing registration
+ *   phx_io_test nvcb nv:VA REGOFF REGLEN DIR ROUNDS  cudaFree under I/O
+ *   phx_io_test nvreg nv:VA N                 cudaFree racing registration
  *   phx_io_test nvreuse nv:VA REGOFF REGLEN DIR  freed memory registered again
  *   phx_io_test nvsparse VA LEN DIR            > 16 GiB sparse registration
  *   phx_io_test nvfail nv:VA DIR               driver errors, odd page tables
- *   phx_io_test nvfixedbuf nv:VA REGOFF REGLEN  long-term pin refused
+ *   phx_io_test nvapi nv:VA KIND               stub variant: cap, none
  *   phx_io_test race nv:VA KIND N SEED         two racing actors, N times
  */
 #define _GNU_SOURCE
@@ -47,7 +52,9 @@
 #include <string.h>
 #include <linux/capability.h>
 #include <sys/ioctl.h>
+#include <grp.h>
 #include <sys/prctl.h>
+#include <sys/uio.h>
 #include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -1150,6 +1157,119 @@ static int cmd_garbage(const struct bdf *b, int bar, long n, uint64_t seed)
 	return failures ? 1 : 0;
 }
 
+/* ---- the NVIDIA provider against nv_p2p_stub.ko ---- */
+
+#define STUB_DIR "/sys/kernel/debug/nv_p2p_stub/"
+
+static int stub_write(const char *knob, const char *fmt, ...)
+{
+	char path[256], buf[128];
+	va_list ap;
+	int fd, n, ret = 0;
+
+	va_start(ap, fmt);
+	n = vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	snprintf(path, sizeof(path), STUB_DIR "%s", knob);
+	fd = open(path, O_WRONLY);
+	if (fd < 0 || write(fd, buf, n) != n)
+		ret = -errno;
+	if (fd >= 0)
+		close(fd);
+	if (ret)
+		FAIL("stub %s <- %s: %s", knob, buf, strerror(-ret));
+	return ret;
+}
+
+struct stub_stats {
+	long tables, gets, puts, fired, client_bugs, poison_bad, slow_cb, put_miss, app_freed;
+};
+
+static int stub_stats(struct stub_stats *st)
+{
+	FILE *f = fopen(STUB_DIR "stats", "r");
+	int n;
+
+	memset(st, 0, sizeof(*st));
+	if (!f)
+		return -1;
+	n = fscanf(f, "tables %ld gets %ld puts %ld fired %ld client_bugs %ld poison_bad %ld slow_cb %ld put_miss %ld app_freed %ld",
+		   &st->tables, &st->gets, &st->puts, &st->fired, &st->client_bugs,
+		   &st->poison_bad, &st->slow_cb, &st->put_miss, &st->app_freed);
+	fclose(f);
+	return n == 9 ? 0 : -1;
+}
+
+/* Wait (5 s at most) until phx has no registration and the stub no table. */
+static int nv_settled(const char *name)
+{
+	struct stub_stats st;
+	struct phx_info info;
+	int fd = phx_open(), i;
+
+	for (i = 0; i < 500; i++) {
+		if (!phx_info(fd, &info) && !info.nr_regs && !stub_stats(&st) &&
+		    !st.tables)
+			break;
+		usleep(10000);
+	}
+	close(fd);
+	stub_stats(&st);
+	if (info.nr_regs || st.tables) {
+		FAIL("%s: left behind: %llu registrations, %ld stub page tables", name,
+		     (unsigned long long)info.nr_regs, st.tables);
+		return -1;
+	}
+	if (st.client_bugs) {
+		FAIL("%s: the stub saw %ld API misuses (see dmesg)", name, st.client_bugs);
+		return -1;
+	}
+	if (st.poison_bad) {
+		FAIL("%s: %ld bytes of memory were written after the driver got it back",
+		     name, st.poison_bad);
+		return -1;
+	}
+	if (st.slow_cb) {
+		FAIL("%s: %ld free callbacks took over 50 ms (they stall the driver's free path)",
+		     name, st.slow_cb);
+		return -1;
+	}
+	return 0;
+}
+
+static int nv_register(int fd, uint64_t va, uint64_t len, struct phx_register *r)
+{
+	memset(r, 0, sizeof(*r));
+	r->abi_version = PHX_ABI_VERSION;
+	r->provider = PHX_PROV_NVIDIA;
+	r->gpu_va = va;
+	r->length = len;
+	return ioctl(fd, PHX_IOC_REGISTER, r) ? -errno : 0;
+}
+
+/* Present PTEs in [p, p + len), from /proc/self/pagemap (-1: unreadable). */
+static long pagemap_present(const void *p, size_t len)
+{
+	uint64_t e;
+	long n = 0;
+	size_t off;
+	int fd = open("/proc/self/pagemap", O_RDONLY);
+
+	if (fd < 0)
+		return -1;
+	for (off = 0; off < len; off += 4096) {
+		uint64_t vpn = ((uintptr_t)p + off) / 4096;
+
+		if (pread(fd, &e, sizeof(e), (off_t)(vpn * sizeof(e))) != sizeof(e)) {
+			n = -1;
+			break;
+		}
+		n += !!(e & (1ULL << 63));
+	}
+	close(fd);
+	return n;
+}
+
 /* ---- lifecycle ---- */
 
 static int cmd_hold(const struct bdf *b, int bar, uint64_t regoff,
@@ -1322,14 +1442,295 @@ static int cmd_unreg(const struct bdf *b, int bar, uint64_t regoff,
 		FAIL("unreg: %ld reads started after the revoke succeeded, %ld ended otherwise "
 		     "(want EFAULT for all)", atomic_load(&bz.after_ok),
 		     atomic_load(&bz.after_other));
+	ret = pagemap_present(map, reglen);
+	if (ret)
+		FAIL("unreg: %d present PTEs in the mapping after the unregister (pagemap)", ret);
 	munmap(map, reglen);
 	unlink(path);
 	if (phx_info(fd, &info) || info.nr_regs || info.nr_pages_busy)
 		FAIL("unreg: %llu registrations left", (unsigned long long)info.nr_regs);
 	close(fd);
 	if (!failures)
-		PASS("unreg (revoked under I/O: later I/O EFAULT, access SIGBUS)");
+		PASS("unreg (revoked under I/O: later I/O EFAULT, access SIGBUS, no PTE left)");
 	return failures ? 1 : 0;
+}
+
+/*
+ * A page of the mapping held by a pipe (vmsplice) past the unregister and
+ * the close.  The unregister returns EINTR on a signal instead of waiting
+ * for the pipe; the registration (and the NVIDIA driver's memory, after a
+ * cudaFree too) stays until the pipe lets go; the pipe then reads what was
+ * written, never memory the driver got back; with "rmmod", rmmod phx is
+ * refused meanwhile rather than hanging.  P2PDMA pages cannot be spliced
+ * (GUP refuses them without FOLL_PCI_P2PDMA): that refusal is checked.
+ */
+struct splice_dog {
+	int pfd;
+	atomic_int stop, fired;
+};
+
+/* Drains the pipe after 8 s, so that a kernel that waits for it goes on. */
+static void *splice_watchdog(void *arg)
+{
+	struct splice_dog *d = arg;
+	static uint8_t sink[64 << 10];
+	int i;
+
+	for (i = 0; i < 800 && !atomic_load(&d->stop); i++)
+		usleep(10000);
+	if (atomic_load(&d->stop))
+		return NULL;
+	atomic_store(&d->fired, 1);
+	if (read(d->pfd, sink, sizeof(sink)) < 0)
+		return NULL;
+	return NULL;
+}
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int cmd_splice(const struct bdf *b, int bar, uint64_t regoff, uint64_t reglen,
+		      int do_rmmod)
+{
+	const size_t len = 64 << 10;
+	struct sigaction sa = { .sa_handler = on_alarm };
+	struct phx_register reg;
+	struct splice_dog dog = { 0 };
+	struct stub_stats st;
+	struct phx_info info;
+	struct iovec iov;
+	pthread_t t;
+	uint8_t *buf = xalloc(len);
+	int fd = phx_open(), p[2], ret, i;
+	uint8_t *map = phx_map(fd, b, bar, regoff, reglen, &reg);
+	const char *name = b->nv ? "nv/splice" : "splice";
+	double t0, dt;
+	ssize_t n;
+
+	memset(map, 0xA5, len);
+	if (pipe(p)) {
+		FAIL("%s: pipe: %s", name, strerror(errno));
+		return 1;
+	}
+	iov.iov_base = map;
+	iov.iov_len = len;
+	n = vmsplice(p[1], &iov, 1, 0);
+	if (n < 0 && reg.mode == PHX_MODE_P2PDMA) {
+		if (errno != EFAULT && errno != EREMOTEIO)
+			FAIL("%s: vmsplice of P2PDMA pages: %s, want EFAULT", name,
+			     strerror(errno));
+		else
+			PASS("%s (P2PDMA pages cannot be spliced into a pipe: %s)", name,
+			     strerror(errno));
+		phx_unreg(fd, reg.handle);
+		return failures ? 1 : 0;
+	}
+	if (n != (ssize_t)len) {
+		FAIL("%s: vmsplice of the mapping: %zd (%s)", name, n, strerror(errno));
+		return 1;
+	}
+	if (b->nv)	/* the application frees the memory */
+		stub_write("free_now", "%#llx", (unsigned long long)reg.gpu_va);
+	munmap(map, reglen);
+	dog.pfd = p[0];
+	pthread_create(&t, NULL, splice_watchdog, &dog);
+	sigaction(SIGALRM, &sa, NULL);	/* no SA_RESTART */
+	alarm(1);
+	t0 = now_s();
+	ret = phx_unreg(fd, reg.handle);
+	dt = now_s() - t0;
+	alarm(0);
+	printf("%s: unregister with a page in a pipe: %s after %.1f s\n", name,
+	       ret ? strerror(-ret) : "returned", dt);
+	if (ret != -EINTR || atomic_load(&dog.fired))
+		FAIL("%s: unregister with a page held by a pipe: %s after %.1f s, want EINTR at the signal (1 s)",
+		     name, ret ? strerror(-ret) : "success", dt);
+	if (!atomic_load(&dog.fired)) {
+		if (phx_info(fd, &info) || info.nr_regs != 1)
+			FAIL("%s: the registration went while a pipe holds its page (%llu left)",
+			     name, (unsigned long long)info.nr_regs);
+		if (b->nv && (stub_stats(&st) || st.tables != 1))
+			FAIL("%s: the driver got the memory back while a pipe holds a page of it (%ld tables)",
+			     name, st.tables);
+	}
+	close(fd);
+	if (do_rmmod && !atomic_load(&dog.fired)) {
+		pid_t pid = fork();
+		int status = 0;
+
+		if (pid == 0)
+			_exit(syscall(__NR_delete_module, "phx", O_NONBLOCK) ? errno : 0);
+		for (i = 0; i < 500 && waitpid(pid, &status, WNOHANG) == 0; i++)
+			usleep(10000);
+		if (i == 500) {
+			FAIL("%s: rmmod phx blocked (5 s) while a pipe holds a page", name);
+			waitpid(pid, &status, 0);
+		} else if (!WIFEXITED(status) || (WEXITSTATUS(status) != EBUSY &&
+						   WEXITSTATUS(status) != EAGAIN)) {
+			FAIL("%s: rmmod phx with a teardown pending: %s, want it refused (in use)",
+			     name, WIFEXITED(status) ? strerror(WEXITSTATUS(status)) : "killed");
+		} else {
+			printf("%s: rmmod phx refused: %s\n", name,
+			       strerror(WEXITSTATUS(status)));
+		}
+	}
+	atomic_store(&dog.stop, 1);
+	pthread_join(t, NULL);
+	if (!atomic_load(&dog.fired)) {
+		n = read(p[0], buf, len);
+		for (i = 0; i < (int)len && n == (ssize_t)len && buf[i] == 0xA5; i++)
+			;
+		if (n != (ssize_t)len || i != (int)len)
+			FAIL("%s: the pipe read %zd bytes, byte %d is %#x, want 0xa5: memory given back was exposed",
+			     name, n, i, i < (int)len ? buf[i] : 0);
+	}
+	close(p[0]);
+	close(p[1]);
+	/* now the teardown can finish */
+	fd = phx_open();
+	for (i = 0; i < 500 && !phx_info(fd, &info) && info.nr_regs; i++)
+		usleep(10000);
+	close(fd);
+	if (info.nr_regs)
+		FAIL("%s: the registration stayed after the pipe let go", name);
+	if (b->nv && nv_settled(name))
+		return 1;
+	if (!failures)
+		PASS("%s (a page held by a pipe: unregister EINTR at a signal, memory kept until the pipe let go%s, it read the data)",
+		     name, do_rmmod ? ", rmmod refused meanwhile" : "");
+	return failures ? 1 : 0;
+}
+
+/* /sys/module/phx/parameters/NAME (read, then write @val unless NULL). */
+static int phx_param(const char *name, char *old, size_t oldlen, const char *val)
+{
+	char path[256];
+	FILE *f;
+	int ret = 0;
+
+	snprintf(path, sizeof(path), "/sys/module/phx/parameters/%s", name);
+	f = fopen(path, "r");
+	if (!f || !fgets(old, (int)oldlen, f))
+		ret = -1;
+	if (f)
+		fclose(f);
+	old[strcspn(old, "\n")] = 0;
+	if (!ret && val) {
+		f = fopen(path, "w");
+		if (!f || fputs(val, f) < 0)
+			ret = -1;
+		if (f && fclose(f))
+			ret = -1;
+	}
+	return ret;
+}
+
+/*
+ * As a non-root member of /dev/phx's group (the suite gives the device
+ * group GID): the ioctls work, PCIBAR needs CAP_SYS_ADMIN (EPERM),
+ * PHX_REG_ALLOW_IOMMU needs CAP_SYS_RAWIO (EPERM), and the per-user
+ * limits hold (EDQUOT): 4 registrations, then 16 MiB.
+ */
+static int nonroot_child(const struct bdf *b, int uid, int gid)
+{
+	struct phx_register r, rs[5];
+	struct phx_info info;
+	gid_t g = gid;
+	int fd, ret, i;
+	uint8_t *m;
+
+	if (setgroups(1, &g) || setgid(gid) || setuid(uid) || !geteuid()) {
+		FAIL("nonroot: could not become uid %d gid %d", uid, gid);
+		return 1;
+	}
+	fd = open(PHX_DEVICE_PATH, O_RDWR | O_CLOEXEC);
+	if (fd < 0) {
+		FAIL("nonroot: open %s as a group member: %s", PHX_DEVICE_PATH, strerror(errno));
+		return 1;
+	}
+	if (phx_info(fd, &info))
+		FAIL("nonroot: PHX_IOC_INFO: %s", strerror(errno));
+	reg_init(&r, &(struct bdf){ 0 }, 2, 0, 2 << 20);
+	if (!ioctl(fd, PHX_IOC_REGISTER, &r) || errno != EPERM)
+		FAIL("nonroot: a PCI BAR registration without CAP_SYS_ADMIN: %s, want EPERM",
+		     strerror(errno));
+	memset(&r, 0, sizeof(r));
+	r.abi_version = PHX_ABI_VERSION;
+	r.provider = PHX_PROV_NVIDIA;
+	r.gpu_va = b->nv_va;
+	r.length = 2 << 20;
+	r.flags = PHX_REG_ALLOW_IOMMU;
+	ret = ioctl(fd, PHX_IOC_REGISTER, &r) ? -errno : 0;
+	if (ret != -EPERM) {
+		FAIL("nonroot: PHX_REG_ALLOW_IOMMU without CAP_SYS_RAWIO: %s, want EPERM",
+		     strerror(-ret));
+		if (!ret)
+			phx_unreg(fd, r.handle);
+	}
+	for (i = 0; i < 5; i++) {
+		ret = nv_register(fd, b->nv_va + (uint64_t)i * (2 << 20), 2 << 20, &rs[i]);
+		if (i < 4 && ret)
+			FAIL("nonroot: registration %d of 4 allowed: %s", i + 1, strerror(-ret));
+		if (i == 4 && ret != -EDQUOT)
+			FAIL("nonroot: a 5th registration past max_user_regs=4: %s, want EDQUOT",
+			     strerror(-ret));
+		if (i == 4 && !ret)
+			phx_unreg(fd, rs[i].handle);
+	}
+	m = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+		 (off_t)rs[0].mmap_offset);
+	if (m == MAP_FAILED)
+		FAIL("nonroot: mmap: %s", strerror(errno));
+	else
+		m[0] = 1, munmap(m, 2 << 20);
+	for (i = 0; i < 4; i++)
+		if (phx_unreg(fd, rs[i].handle))
+			FAIL("nonroot: unregister %d", i);
+	ret = nv_register(fd, b->nv_va, 16 << 20, &rs[0]);
+	if (ret)
+		FAIL("nonroot: 16 MiB within max_user_bytes: %s", strerror(-ret));
+	ret = nv_register(fd, b->nv_va + (16 << 20), 2 << 20, &rs[1]);
+	if (ret != -EDQUOT)
+		FAIL("nonroot: 2 MiB more past max_user_bytes=16 MiB: %s, want EDQUOT",
+		     strerror(-ret));
+	close(fd);	/* releases everything */
+	return failures ? 1 : 0;
+}
+
+static int cmd_nonroot(const struct bdf *b, int uid, int gid)
+{
+	char regs[64], bytes[64], tmp[64];
+	int status = 0;
+	pid_t pid;
+
+	if (phx_param("max_user_regs", regs, sizeof(regs), "4") ||
+	    phx_param("max_user_bytes", bytes, sizeof(bytes), "16777216")) {
+		FAIL("nonroot: cannot set phx's per-user limits");
+		return 1;
+	}
+	pid = fork();
+	if (pid == 0)
+		_exit(nonroot_child(b, uid, gid));
+	waitpid(pid, &status, 0);
+	phx_param("max_user_regs", tmp, sizeof(tmp), regs);
+	phx_param("max_user_bytes", tmp, sizeof(tmp), bytes);
+	if (!WIFEXITED(status) || WEXITSTATUS(status))
+		return 1;
+	if (nv_settled("nonroot"))
+		return 1;
+	PASS("nonroot (uid %d in /dev/phx's group %d: ioctls work, PCIBAR EPERM, ALLOW_IOMMU EPERM, 4 registrations then EDQUOT, 16 MiB then EDQUOT)",
+	     uid, gid);
+	return 0;
 }
 
 /* fork() does not copy the mapping (VM_DONTCOPY). */
@@ -1441,96 +1842,14 @@ static int cmd_fixedbuf(const struct bdf *b, int bar, uint64_t regoff,
 	return 0;
 }
 
-/* ---- the NVIDIA provider against nv_p2p_stub.ko ---- */
-
-#define STUB_DIR "/sys/kernel/debug/nv_p2p_stub/"
-
-static int stub_write(const char *knob, const char *fmt, ...)
-{
-	char path[256], buf[128];
-	va_list ap;
-	int fd, n, ret = 0;
-
-	va_start(ap, fmt);
-	n = vsnprintf(buf, sizeof(buf), fmt, ap);
-	va_end(ap);
-	snprintf(path, sizeof(path), STUB_DIR "%s", knob);
-	fd = open(path, O_WRONLY);
-	if (fd < 0 || write(fd, buf, n) != n)
-		ret = -errno;
-	if (fd >= 0)
-		close(fd);
-	if (ret)
-		FAIL("stub %s <- %s: %s", knob, buf, strerror(-ret));
-	return ret;
-}
-
-struct stub_stats { long tables, gets, puts, fired, client_bugs, poison_bad; };
-
-static int stub_stats(struct stub_stats *st)
-{
-	FILE *f = fopen(STUB_DIR "stats", "r");
-	int n;
-
-	memset(st, 0, sizeof(*st));
-	if (!f)
-		return -1;
-	n = fscanf(f, "tables %ld gets %ld puts %ld fired %ld client_bugs %ld poison_bad %ld",
-		   &st->tables, &st->gets, &st->puts, &st->fired, &st->client_bugs,
-		   &st->poison_bad);
-	fclose(f);
-	return n == 6 ? 0 : -1;
-}
-
-/* Wait (5 s at most) until phx has no registration and the stub no table. */
-static int nv_settled(const char *name)
-{
-	struct stub_stats st;
-	struct phx_info info;
-	int fd = phx_open(), i;
-
-	for (i = 0; i < 500; i++) {
-		if (!phx_info(fd, &info) && !info.nr_regs && !stub_stats(&st) &&
-		    !st.tables)
-			break;
-		usleep(10000);
-	}
-	close(fd);
-	stub_stats(&st);
-	if (info.nr_regs || st.tables) {
-		FAIL("%s: left behind: %llu registrations, %ld stub page tables", name,
-		     (unsigned long long)info.nr_regs, st.tables);
-		return -1;
-	}
-	if (st.client_bugs) {
-		FAIL("%s: the stub saw %ld API misuses (see dmesg)", name, st.client_bugs);
-		return -1;
-	}
-	if (st.poison_bad) {
-		FAIL("%s: %ld bytes of memory were written after its free callback returned",
-		     name, st.poison_bad);
-		return -1;
-	}
-	return 0;
-}
-
-static int nv_register(int fd, uint64_t va, uint64_t len, struct phx_register *r)
-{
-	memset(r, 0, sizeof(*r));
-	r->abi_version = PHX_ABI_VERSION;
-	r->provider = PHX_PROV_NVIDIA;
-	r->gpu_va = va;
-	r->length = len;
-	return ioctl(fd, PHX_IOC_REGISTER, r) ? -errno : 0;
-}
 
 /*
- * The free callback during I/O: threads O_DIRECT-read a file into the
- * mapping (DMA into "GPU memory") while the stub frees the memory.  Reads
- * complete or fail with EFAULT, never otherwise; reads that start after
- * the callback returned fail; the CPU gets SIGBUS; and the stub, which
- * poisons the memory when the callback returns, finds no byte written
- * after that.
+ * cudaFree under I/O: threads O_DIRECT-read a file into the mapping (DMA
+ * into "GPU memory") while the application frees the memory.  The mapping
+ * is persistent: reads keep working and the driver keeps the memory until
+ * the unregister; reads started after the unregister fail with EFAULT,
+ * the CPU gets SIGBUS, and the driver, which poisons the memory when it
+ * gets it back, finds no byte written after that.
  */
 static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 		    const char *dir, int rounds)
@@ -1542,10 +1861,12 @@ static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 	make_file(path, reglen, 13);
 	for (round = 0; round < rounds; round++) {
 		struct phx_register reg;
+		struct stub_stats st0, st;
 		struct busy bz = { 0 };
 		pthread_t t[3];
-		int fd = phx_open(), i, sig;
+		int fd = phx_open(), i, sig, ret;
 		uint8_t *map = phx_map(fd, b, 0, regoff, reglen, &reg);
+		long before;
 
 		bz.dfd = open(path, O_RDONLY | O_DIRECT);
 		bz.map = map;
@@ -1555,7 +1876,19 @@ static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 		for (i = 0; i < 60000 && atomic_load(&bz.done) < 2; i++)
 			usleep(1000);
 		usleep(1000 * (round % 7));
+		stub_stats(&st0);
 		stub_write("free_now", "%#llx", (unsigned long long)reg.gpu_va);
+		before = atomic_load(&bz.done);
+		for (i = 0; i < 60000 && atomic_load(&bz.done) < before + 3; i++)
+			usleep(1000);
+		stub_stats(&st);
+		if (atomic_load(&bz.done) < before + 3 || atomic_load(&bz.efault))
+			FAIL("nvcb: round %d: reads stopped working after cudaFree (%ld EFAULT): the registration was revoked, but its memory is pinned",
+			     round, atomic_load(&bz.efault));
+		if (st.tables != st0.tables || st.fired != st0.fired)
+			FAIL("nvcb: round %d: the driver took the memory back at cudaFree (%ld tables, %ld callbacks)",
+			     round, st.tables - st0.tables, st.fired - st0.fired);
+		ret = phx_unreg(fd, reg.handle);
 		atomic_store(&bz.revoked, 1);
 		usleep(100000);
 		atomic_store(&bz.stop, 1);
@@ -1565,18 +1898,18 @@ static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 		signal(SIGSEGV, on_fault);
 		sig = touch(map + 8192);
 		if (round == 0)
-			printf("nvcb: %ld reads done, after the callback: %ld EFAULT, %ld ok, %ld other; touch -> %d\n",
+			printf("nvcb: %ld reads done, after the unregister: %ld EFAULT, %ld ok, %ld other; touch -> %d\n",
 			       atomic_load(&bz.done), atomic_load(&bz.after_efault),
 			       atomic_load(&bz.after_ok), atomic_load(&bz.after_other), sig);
-		if (atomic_load(&bz.done) < 2)
-			FAIL("nvcb: no O_DIRECT read into the mapping worked before the callback");
+		if (ret)
+			FAIL("nvcb: unregister: %s", strerror(-ret));
 		if (atomic_load(&bz.after_ok) || atomic_load(&bz.after_other))
-			FAIL("nvcb: %ld reads started after the callback succeeded, %ld failed otherwise",
+			FAIL("nvcb: %ld reads started after the unregister succeeded, %ld failed otherwise",
 			     atomic_load(&bz.after_ok), atomic_load(&bz.after_other));
 		if (sig != SIGBUS)
-			FAIL("nvcb: access after the callback gave signal %d, want SIGBUS", sig);
-		if (phx_unreg(fd, reg.handle))
-			FAIL("nvcb: unregister after the callback");
+			FAIL("nvcb: access after the unregister gave signal %d, want SIGBUS", sig);
+		if (pagemap_present(map, reglen))
+			FAIL("nvcb: present PTEs left after the unregister (pagemap)");
 		munmap(map, reglen);
 		close(fd);
 		close(bz.dfd);
@@ -1585,20 +1918,18 @@ static int cmd_nvcb(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 	}
 	unlink(path);
 	if (!failures)
-		PASS("nvcb (%d rounds: free callback under O_DIRECT reads; later I/O EFAULT, access SIGBUS, nothing written after it returned)",
+		PASS("nvcb (%d rounds: cudaFree under O_DIRECT reads: the pinned memory stays until the unregister; then EFAULT, SIGBUS, no PTE, nothing written after the driver got it back)",
 		     rounds);
 	return failures ? 1 : 0;
 }
 
 /*
- * The free callback while phx sets the registration up.  Whatever the
- * order, once the stub says the callback has run, the registration must be
- * dead: no mmap, or a mapping that gets SIGBUS.  (A registration that went
- * live after its callback would map memory the driver took back.)
+ * cudaFree while phx sets the registration up (the stub frees from a work
+ * item 0-2 ms after get_pages returned).  The mapping is persistent:
+ * every registration succeeds and stays usable until it is unregistered.
  */
 static int cmd_nvreg(const struct bdf *b, int n)
 {
-	long efault = 0, revoked = 0;
 	int i;
 
 	signal(SIGBUS, on_fault);
@@ -1606,55 +1937,51 @@ static int cmd_nvreg(const struct bdf *b, int n)
 	for (i = 0; i < n; i++) {
 		struct phx_register reg;
 		struct stub_stats st0, st;
-		int fd = phx_open(), ret, k;
+		int fd = phx_open(), ret, k, sig;
+		uint8_t *p;
 
 		stub_stats(&st0);
 		/* half at once (the window right after get_pages), half spread */
 		stub_write("free_during_reg", "1 %d", i & 1 ? (i * 37) % 2000 : (i * 7) % 50);
 		ret = nv_register(fd, b->nv_va, 4 << 20, &reg);
-		if (ret == -EFAULT) {
-			efault++;
-		} else if (ret) {
-			FAIL("nvreg: register: %s (want success or EFAULT)", strerror(-ret));
-		} else {
-			uint8_t *p;
-			int sig;
-
-			/* used before the callback: fine; then wait for it */
-			for (k = 0; k < 2000 && !stub_stats(&st) && st.fired == st0.fired; k++)
-				usleep(1000);
-			if (st.fired == st0.fired)
-				FAIL("nvreg: the armed callback never fired");
-			p = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-				 (off_t)reg.mmap_offset);
-			if (p == MAP_FAILED) {
-				if (errno != ENODEV)
-					FAIL("nvreg: mmap: %s", strerror(errno));
-				revoked++;
-			} else {
-				sig = touch(p + (i % 1024) * 4096);
-				if (sig != SIGBUS)
-					FAIL("nvreg: round %d: the registration still maps memory after its free callback (signal %d)",
-					     i, sig);
-				revoked++;
-				munmap(p, 4 << 20);
-			}
-			phx_unreg(fd, reg.handle);
+		if (ret) {
+			FAIL("nvreg: round %d: register: %s (cudaFree must not fail a persistent mapping)",
+			     i, strerror(-ret));
+			close(fd);
+			break;
 		}
+		for (k = 0; k < 2000 && !stub_stats(&st) && st.app_freed == st0.app_freed &&
+		     st.fired == st0.fired; k++)
+			usleep(1000);
+		p = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+			 (off_t)reg.mmap_offset);
+		if (p == MAP_FAILED) {
+			FAIL("nvreg: round %d: mmap after cudaFree: %s", i, strerror(errno));
+		} else {
+			sig = touch(p + (i % 1024) * 4096);
+			if (sig)
+				FAIL("nvreg: round %d: the registration was revoked by cudaFree (signal %d)",
+				     i, sig);
+			munmap(p, 4 << 20);
+		}
+		phx_unreg(fd, reg.handle);
 		close(fd);
 		if (failures)
 			break;
 	}
 	stub_write("free_during_reg", "0 0");
-	printf("nvreg: %d registrations with a racing callback: %ld failed EFAULT (callback first), %ld revoked after going live\n",
-	       i, efault, revoked);
-
 	if (!nv_settled("nvreg") && !failures)
-		PASS("nvreg (%d callbacks racing registration, none left behind)", n);
+		PASS("nvreg (%d cudaFrees racing registration: all registered and usable until unregistered, none left behind)", n);
 	return failures ? 1 : 0;
 }
 
-/* Memory freed under a registration, then handed out again. */
+/*
+ * Memory freed by the application under a registration, then asked for
+ * again (the stub hands out the same physical memory for the same VA):
+ * the old registration keeps it (the old mapping still reads what was
+ * written), a new registration of it is refused (EBUSY) until the old one
+ * is gone, and then works, byte-checked.
+ */
 static int cmd_nvreuse(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 		       const char *dir)
 {
@@ -1669,9 +1996,16 @@ static int cmd_nvreuse(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 	signal(SIGBUS, on_fault);
 	signal(SIGSEGV, on_fault);
 	sig = touch(m1);
-	if (sig != SIGBUS)
-		FAIL("nvreuse: the freed registration's mapping gave signal %d, want SIGBUS", sig);
-	/* the same memory, registered again (EBUSY while the old pages go) */
+	if (sig || m1[reglen - 1] != 0x11)
+		FAIL("nvreuse: after cudaFree the registration lost its memory (signal %d)", sig);
+	ret = nv_register(fd, r1.gpu_va, reglen, &r2);
+	if (ret != -EBUSY)
+		FAIL("nvreuse: the memory of a live registration registered again: %s, want EBUSY",
+		     strerror(-ret));
+	if (phx_unreg(fd, r1.handle))
+		FAIL("nvreuse: unregister");
+	if (touch(m1) != SIGBUS)
+		FAIL("nvreuse: the unregistered mapping still works");
 	while ((ret = nv_register(fd, r1.gpu_va, reglen, &r2)) == -EBUSY && tries++ < 500)
 		usleep(10000);
 	if (ret) {
@@ -1699,10 +2033,9 @@ static int cmd_nvreuse(const struct bdf *b, uint64_t regoff, uint64_t reglen,
 	close(dfd);
 	unlink(path);
 	phx_unreg(fd, r2.handle);
-	phx_unreg(fd, r1.handle);
 	close(fd);
 	if (!nv_settled("nvreuse") && !failures)
-		PASS("nvreuse (freed memory registered again: old mapping SIGBUS, new one byte-checked)");
+		PASS("nvreuse (cudaFree under a registration: it keeps the memory; registered again only after it is gone, byte-checked)");
 	return failures ? 1 : 0;
 }
 
@@ -1762,7 +2095,8 @@ static int cmd_nvsparse(uint64_t va, uint64_t len, const char *dir)
 static int cmd_nvfail(const struct bdf *b, const char *dir)
 {
 	struct phx_register r;
-	int fd = phx_open(), ret;
+	struct stub_stats st;
+	int fd = phx_open(), ret, i;
 
 #define NVEXPECT(what, want) do { ret = nv_register(fd, b->nv_va, 4 << 20, &r); \
 	if (ret != (want)) FAIL("nvfail %s: got %s, want %s", what, strerror(-ret), \
@@ -1772,18 +2106,34 @@ static int cmd_nvfail(const struct bdf *b, const char *dir)
 	NVEXPECT("ENOTSUPP from get_pages", -EOPNOTSUPP);
 	stub_write("fail_get", "5 1");
 	NVEXPECT("EIO from get_pages", -EIO);
-	stub_write("pt_version", "0x00020002");
-	NVEXPECT("page table major 2", -EPROTO);
+	stub_write("refuse_persistent", "524");	/* MIG, vGPU, CC */
+	NVEXPECT("persistent mapping refused (MIG/vGPU/CC)", -EOPNOTSUPP);
+	stub_write("refuse_persistent", "0");
+	stub_write("pt_version", "0x00030000");
+	NVEXPECT("page table major 3", -EPROTO);
 	stub_write("pt_version", "0x00010001");
-	NVEXPECT("page table minor 1 (older than built for)", -EPROTO);
+	NVEXPECT("page table 1.1 (older than phx reads)", -EPROTO);
 	stub_write("pt_version", "0x00010007");
-	NVEXPECT("page table minor 7 (newer)", 0);
+	NVEXPECT("page table 1.7", 0);
 	stub_write("pt_version", "0x00010002");
+	NVEXPECT("page table 1.2", 0);
+	stub_write("pt_version", "0x00020000");
+	NVEXPECT("page table 2.0 (drivers from 580.95)", 0);
+	stub_write("pt_flags", "1");
+	NVEXPECT("CPU-cacheable memory (coherent platform)", -EOPNOTSUPP);
+	stub_write("pt_flags", "0");
 	stub_write("fragment", "2");
 	NVEXPECT("64 KiB fragments", -EINVAL);
 	stub_write("fragment", "0");
+	/* a failing put: the driver keeps the table; phx must not touch it again */
 	stub_write("fail_put", "5 1");
 	NVEXPECT("put_pages failing", 0);
+	for (i = 0; i < 200 && !stub_stats(&st) && st.tables != 1; i++)
+		usleep(10000);
+	if (st.tables != 1)
+		FAIL("nvfail: after a failing put the driver should still hold 1 table, holds %ld",
+		     st.tables);
+	stub_write("reap", "1");	/* what the driver does at exit or unload */
 	ret = nv_register(fd, b->nv_va + 3, 4 << 20, &r);
 	if (ret != -EINVAL)
 		FAIL("nvfail: unaligned VA: %s, want EINVAL", strerror(-ret));
@@ -1794,47 +2144,65 @@ static int cmd_nvfail(const struct bdf *b, const char *dir)
 	close(fd);
 	(void)dir;
 	if (!nv_settled("nvfail") && !failures)
-		PASS("nvfail (driver errors mapped: ENOTSUPP->EOPNOTSUPP, version major/minor, fragments, put failure)");
+		PASS("nvfail (driver errors mapped: ENOTSUPP->EOPNOTSUPP, persistent refused, page tables 1.2+ and 2.x, cacheable refused, fragments, failing put keeps the table)");
 	return failures ? 1 : 0;
 }
 
-/* Revocable memory refuses long-term pins (io_uring fixed buffers). */
-static int cmd_nvfixedbuf(const struct bdf *b, uint64_t regoff, uint64_t reglen)
+/*
+ * The NVIDIA provider over the stub's older APIs: "cap" (R515-R530, get
+ * pages without callback) works end to end and puts from the workqueue;
+ * "none" (no persistent pages) is refused with EOPNOTSUPP.
+ */
+static int cmd_nvapi(const struct bdf *b, const char *kind)
 {
-	struct phx_register reg;
-	struct io_uring r;
-	struct iovec iov;
-	int fd = phx_open(), ret;
-	uint8_t *map = phx_map(fd, b, 0, regoff, reglen, &reg);
+	struct phx_register r;
+	int fd = phx_open(), ret, sig;
+	uint8_t *m;
 
-	if (io_uring_queue_init(8, &r, 0)) {
-		FAIL("nvfixedbuf: io_uring_queue_init");
+	ret = nv_register(fd, b->nv_va, 4 << 20, &r);
+	if (!strcmp(kind, "none")) {
+		if (ret != -EOPNOTSUPP)
+			FAIL("nvapi none: a driver without persistent pages: %s, want EOPNOTSUPP",
+			     strerror(-ret));
+		close(fd);
+		if (!nv_settled("nvapi-none") && !failures)
+			PASS("nvapi-none (no persistent API: refused EOPNOTSUPP)");
+		return failures ? 1 : 0;
+	}
+	if (ret) {
+		FAIL("nvapi %s: register: %s", kind, strerror(-ret));
 		return 1;
 	}
-	map[0] = 1;
-	iov.iov_base = map;
-	iov.iov_len = reglen;
-	ret = io_uring_register_buffers(&r, &iov, 1);
-	if (!ret)
-		FAIL("nvfixedbuf: GPU memory accepted as an io_uring fixed buffer (a long-term pin would outlive the free callback)");
-	else
-		printf("nvfixedbuf: fixed buffer refused: %s\n", strerror(-ret));
-	io_uring_queue_exit(&r);
-	munmap(map, reglen);
-	close(fd);
-	if (!nv_settled("nvfixedbuf") && !failures)
-		PASS("nvfixedbuf (long-term pin of revocable memory refused)");
+	m = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)r.mmap_offset);
+	if (m == MAP_FAILED) {
+		FAIL("nvapi %s: mmap: %s", kind, strerror(errno));
+		return 1;
+	}
+	signal(SIGBUS, on_fault);
+	signal(SIGSEGV, on_fault);
+	memset(m, 0x3c, 4 << 20);
+	stub_write("free_now", "%#llx", (unsigned long long)r.gpu_va);
+	sig = touch(m + 4096);
+	if (sig || m[4096] != 0x3c)
+		FAIL("nvapi %s: cudaFree revoked a persistent mapping (signal %d)", kind, sig);
+	munmap(m, 4 << 20);
+	close(fd);	/* the teardown and the put run on phx's workqueue */
+	if (!nv_settled(kind) && !failures)
+		PASS("nvapi-%s (R515-R530 API: persistent, put from the workqueue, nothing left)", kind);
 	return failures ? 1 : 0;
 }
 
 /*
  * Races, one pair of actors per kind, each iteration on a fresh
  * registration with random delays: mmap+touch, munmap, fork (the child
- * touches), unregister, the free callback.  Every outcome a user can see
- * must be one the ABI allows; the kernel log must stay clean (the harness
- * checks), and nothing may be left behind.
+ * touches), unregister, cudaFree (the stub's free_now), and registering
+ * the same range again from another fd while it is being torn down.
+ * Every outcome a user can see must be one the ABI allows (cudaFree never
+ * revokes: with it alone, mmap and touch must work); the kernel log must
+ * stay clean (the harness checks); after the unregister no PTE is left
+ * (pagemap), and nothing may be left behind.
  */
-enum { A_MMAP, A_MUNMAP, A_FORK, A_UNREG, A_CB };
+enum { A_MMAP, A_MUNMAP, A_FORK, A_UNREG, A_CB, A_REREG };
 
 struct race {
 	int fd;
@@ -1842,6 +2210,7 @@ struct race {
 	uint8_t *premap;
 	size_t len;
 	int action;
+	int strict;		/* no unregister in this kind: mmap must work */
 	unsigned int delay_us;
 	long bad;
 };
@@ -1878,12 +2247,12 @@ static void *race_actor(void *arg)
 		p = mmap(NULL, r->len, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd,
 			 (off_t)r->reg.mmap_offset);
 		if (p == MAP_FAILED) {
-			if (errno != ENODEV && errno != ENXIO)
+			if (r->strict || (errno != ENODEV && errno != ENXIO))
 				r->bad++;
 			break;
 		}
 		sig = race_touch(p, r->len);
-		if (sig && sig != SIGBUS)
+		if (sig && (r->strict || sig != SIGBUS))
 			r->bad++;
 		munmap(p, r->len);
 		break;
@@ -1912,6 +2281,19 @@ static void *race_actor(void *arg)
 	case A_CB:
 		stub_write("free_now", "%#llx", (unsigned long long)r->reg.gpu_va);
 		break;
+	case A_REREG: {
+		struct phx_register r2;
+		int fd2 = phx_open(), ret = nv_register(fd2, r->reg.gpu_va, r->len, &r2);
+
+		if (!ret)
+			ret = phx_unreg(fd2, r2.handle);
+		else if (ret == -EBUSY)
+			ret = 0;	/* the old pages are still there */
+		if (ret)
+			r->bad++;
+		close(fd2);
+		break;
+	}
 	}
 	return NULL;
 }
@@ -1919,10 +2301,10 @@ static void *race_actor(void *arg)
 static int cmd_race(const struct bdf *b, const char *kind, int n, uint64_t seed)
 {
 	static const struct { const char *name; int a, b; } kinds[] = {
-		{ "mmap-unreg", A_MMAP, A_UNREG }, { "mmap-cb", A_MMAP, A_CB },
-		{ "munmap-cb", A_MUNMAP, A_CB }, { "fork-cb", A_FORK, A_CB },
-		{ "unreg-cb", A_UNREG, A_CB }, { "munmap-unreg", A_MUNMAP, A_UNREG },
-		{ "fork-unreg", A_FORK, A_UNREG },
+		{ "mmap-unreg", A_MMAP, A_UNREG }, { "mmap-free", A_MMAP, A_CB },
+		{ "munmap-free", A_MUNMAP, A_CB }, { "fork-free", A_FORK, A_CB },
+		{ "unreg-free", A_UNREG, A_CB }, { "munmap-unreg", A_MUNMAP, A_UNREG },
+		{ "fork-unreg", A_FORK, A_UNREG }, { "unreg-rereg", A_UNREG, A_REREG },
 	};
 	unsigned int k;
 	long bad = 0;
@@ -1959,6 +2341,7 @@ static int cmd_race(const struct bdf *b, const char *kind, int n, uint64_t seed)
 			break;
 		}
 		race_touch(ra.premap, ra.len);
+		ra.strict = kinds[k].a != A_UNREG && kinds[k].b != A_UNREG;
 		rb = ra;
 		ra.action = kinds[k].a;
 		rb.action = kinds[k].b;
@@ -1969,9 +2352,19 @@ static int cmd_race(const struct bdf *b, const char *kind, int n, uint64_t seed)
 		pthread_join(ta, NULL);
 		pthread_join(tb, NULL);
 		bad += ra.bad + rb.bad;
-		if (ra.action != A_MUNMAP && rb.action != A_MUNMAP)
+		ret = phx_unreg(ra.fd, ra.reg.handle);
+		if (ret && ret != -ENOENT)
+			bad++;
+		if (ra.action != A_MUNMAP && rb.action != A_MUNMAP) {
+			long pres = pagemap_present(ra.premap, ra.len);
+
+			if (pres) {
+				FAIL("race %s: iteration %d: %ld present PTEs after the unregister",
+				     kind, i, pres);
+				break;
+			}
 			munmap(ra.premap, ra.len);
-		phx_unreg(ra.fd, ra.reg.handle);
+		}
 		close(ra.fd);
 		if (bad) {
 			FAIL("race %s: iteration %d: an actor saw an outcome the ABI does not allow", kind, i);
@@ -2034,8 +2427,12 @@ int main(int argc, char **argv)
 		return cmd_nvfail(&b, argv[3]);
 	if (!strcmp(cmd, "race") && argc == 6)
 		return cmd_race(&b, argv[3], atoi(argv[4]), num(argv[5]));
-	if (!strcmp(cmd, "nvfixedbuf") && argc == 5)
-		return cmd_nvfixedbuf(&b, num(argv[3]), num(argv[4]));
+	if (!strcmp(cmd, "nvapi") && argc == 4)
+		return cmd_nvapi(&b, argv[3]);
+	if (!strcmp(cmd, "nonroot") && argc == 5)
+		return cmd_nonroot(&b, atoi(argv[3]), atoi(argv[4]));
+	if (!strcmp(cmd, "splice") && (argc == 5 || argc == 6))
+		return cmd_splice(&b, 2, num(argv[3]), num(argv[4]), argc == 6);
 	if (!strcmp(cmd, "nvreuse") && argc == 6)
 		return cmd_nvreuse(&b, num(argv[3]), num(argv[4]), argv[5]);
 	if (!strcmp(cmd, "nvcb") && argc == 7)

@@ -344,11 +344,19 @@ def build_module(kern):
     # the stub includes kernel/phx_nv_p2p.h: point it at the copy
     kb = stub / "Kbuild"
     kb.write_text(kb.read_text().replace("$(src)/../../../kernel", str(kdir)))
+    # the stub's API variants (see its Kbuild), each built in its own copy
+    variants = {"cap": "STUB_API=cap", "none": "STUB_API=none", "nvidia": "STUB_LICENSE=nvidia"}
+    for v in variants:
+        shutil.copytree(stub, root / f"nv_p2p_stub_{v}")
     _kbuild(kern, stub)
+    for v, arg in variants.items():
+        _kbuild(kern, root / f"nv_p2p_stub_{v}", [arg])
     _kbuild(kern, kdir, ["CONFIG_PHX_NV=m",
                          f"KBUILD_EXTRA_SYMBOLS={stub / 'Module.symvers'}"])
     return {"phx": kdir / "phx.ko", "phx_nv": kdir / "phx_nv.ko",
-            "nv_p2p_stub": stub / "nv_p2p_stub.ko"}
+            "nv_p2p_stub": stub / "nv_p2p_stub.ko",
+            **{f"nv_p2p_stub_{v}": root / f"nv_p2p_stub_{v}" / "nv_p2p_stub.ko"
+               for v in variants}}
 
 
 def build_programs():
@@ -603,7 +611,7 @@ def main():
         kern = {"debian": debian_kernel, "debian-next": lambda: debian_next_kernel(a.jobs),
                 "p2pdma": lambda: p2pdma_kernel(a.jobs),
                 "debug": lambda: p2pdma_kernel(a.jobs, "debug", DEBUG_ENABLE)}[a.kernel]()
-        kos = {n: Path(shutil.copy(p, rundir / p.name))
+        kos = {n: Path(shutil.copy(p, rundir / f"{n}.ko"))
                for n, p in build_module(kern).items()}
         ko = kos["phx"]
         bindir = shutil.copytree(build_programs(), rundir / "bin")
@@ -625,6 +633,9 @@ def main():
         f.truncate(a.ivshmem_size)
     env = {"PHX_REPO": str(REPO), "PHX_KO": str(ko), "PHX_NV_KO": str(kos["phx_nv"]),
            "PHX_STUB_KO": str(kos["nv_p2p_stub"]), "PHX_BIN": str(bindir),
+           # PHX_STUB_CAP_KO, PHX_STUB_NONE_KO, PHX_STUB_NVIDIA_KO: the stub's variants
+           **{f"PHX_STUB_{n[12:].upper()}_KO": str(p) for n, p in kos.items()
+              if n.startswith("nv_p2p_stub_")},
            "PHX_KVER": kern.kver, "PHX_KERNEL": a.kernel,
            "PHX_IVSHMEM_SIZE": str(a.ivshmem_size)}
     # knobs for suites: PHX_SUITE_* from the host environment (no spaces kept)

@@ -20,11 +20,14 @@
 #
 # PHX-EXPECT: insmod ext4/io-pread ext4/io-uring xfs/io-pread xfs/io-uring
 # PHX-EXPECT: fillbar checkbar validate validate-prefetch garbage rmmod-refused kill-midio
-# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg concurrent python-direct libphx-devmem dm-eio
+# PHX-EXPECT: fixedbuf fixedbuf-exit fork unreg splice pci-unbind concurrent python-direct
+# PHX-EXPECT: libphx-devmem dm-eio
 # PHX-EXPECT: nv-insmod nv-ext4/io-pread nv-ext4/io-uring nv-xfs/io-pread nv-xfs/io-uring
-# PHX-EXPECT: nv/fillbar nv/fork nv/unreg nvcb nvreg nvreuse nvsparse nvfail nvfixedbuf
-# PHX-EXPECT: race/mmap-unreg race/mmap-cb race/munmap-cb race/fork-cb race/unreg-cb
-# PHX-EXPECT: race/munmap-unreg race/fork-unreg nv-rmmod-refused nv-rmmod-after-cb nv-rmmod rmmod
+# PHX-EXPECT: nv/fillbar nv/fork nv/unreg nvcb nvreg nvreuse nvsparse nvfail nv/splice
+# PHX-EXPECT: nv/fixedbuf nv/fixedbuf-exit nonroot
+# PHX-EXPECT: race/mmap-unreg race/mmap-free race/munmap-free race/fork-free race/unreg-free
+# PHX-EXPECT: race/munmap-unreg race/fork-unreg race/unreg-rereg
+# PHX-EXPECT: nv-rmmod-refused nv-rmmod-after-free nv-rmmod nvapi-cap nvapi-none nv-gpl rmmod
 # PHX-HOSTFILL: 234881024 8388608 4242
 set -u
 export PYTHONDONTWRITEBYTECODE=1
@@ -183,6 +186,45 @@ fi
 $T fork "$B" 2 0 $((16 * M))
 $T unreg "$B" 2 0 $((32 * M)) $MNT
 
+# --- a page held by a pipe past the unregister; rmmod meanwhile ---
+timeout 120 $T splice "$B" 0 $((16 * M)) rmmod || fail "splice: exit $?"
+
+# --- unbinding a phx-bound device under a live registration, and while
+# registrations are torn down; rebinding after (P2PDMA kernels) ---
+bind_phx() {
+	echo phx >/sys/bus/pci/devices/$B/driver_override
+	echo "$B" >/sys/bus/pci/drivers_probe
+	[ "$(basename "$(readlink /sys/bus/pci/devices/$B/driver)")" = phx ]
+}
+unbind_phx() {	# prints the seconds it took; fails past 60 s
+	local t0=$(date +%s)
+	timeout 60 bash -c "echo $B >/sys/bus/pci/drivers/phx/unbind" || return 1
+	echo $(( $(date +%s) - t0 ))
+}
+if [ $P2P = 1 ]; then
+	ok=1
+	$T hold "$B" 2 0 $((16 * M)) >/tmp/uhold.log &
+	HP=$!
+	for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/uhold.log && break; sleep 0.1; done
+	s1=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind with a live registration hung"; }
+	wait_regs0 || { ok=0; fail "pci-unbind: the holder's registration survived the unbind"; }
+	kill -9 $HP; wait $HP 2>/dev/null
+	bind_phx || { ok=0; fail "pci-unbind: rebinding failed"; }
+	$T busyio "$B" 2 0 $((32 * M)) $MNT >/tmp/ubusy.log &
+	BP=$!
+	for _ in $(seq 200); do grep -q PHX-BUSY /tmp/ubusy.log && break; sleep 0.1; done
+	sleep 1
+	kill -9 $BP
+	s2=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind during a teardown hung"; }
+	wait $BP 2>/dev/null
+	wait_regs0 || { ok=0; fail "pci-unbind: registrations left after the unbind"; }
+	bind_phx || { ok=0; fail "pci-unbind: rebinding after the teardown failed"; }
+	$T fork "$B" 2 0 $((16 * M)) >/tmp/ufork.log || { ok=0; fail "pci-unbind: no registration after rebinding"; }
+	[ $ok = 1 ] && pass pci-unbind "live registration revoked by unbind (${s1} s), unbind during a teardown (${s2} s), rebound twice, registering works"
+else
+	pass pci-unbind "not run: no device bound to phx (this kernel has no CONFIG_PCI_P2PDMA)"
+fi
+
 # --- concurrent registrations from several processes ---
 pids=()
 for i in 0 1 2; do
@@ -265,9 +307,27 @@ $T nvreg $NV "$ITERS"
 $T nvreuse $NV 0 $((8 * M)) $MNT
 $T nvsparse 0x200000000000 $((18 << 30)) $MNT
 $T nvfail $NV $MNT
-$T nvfixedbuf $NV 0 $((4 * M))
-echo "PHX-INFO nv callback tests: $(( $(date +%s) - t0 )) s"
-for kind in mmap-unreg mmap-cb munmap-cb fork-cb unreg-cb munmap-unreg fork-unreg; do
+timeout 120 $T splice $NV 0 $((4 * M)) || fail "nv/splice: exit $?"
+# a long-term pin (io_uring fixed buffer) of pinned GPU memory, exit with it
+timeout 60 $T fixedbuf $NV 2 0 $((16 * M)) $MNT >/tmp/nvfixed.log 2>&1
+rc=$?
+prefix nv </tmp/nvfixed.log
+if [ $rc = 0 ]; then
+	if wait_regs0 && grep -q '^tables 0 ' $STATS; then
+		pass nv/fixedbuf-exit "exit did not hang; memory back to the driver after the ring"
+	else
+		fail "nv/fixedbuf-exit: left: $($T info); $(cat $STATS)"
+	fi
+else
+	fail "nv/fixedbuf-exit: the process failed or hung"
+fi
+# as a non-root member of /dev/phx's group ("phx", gid 4242 here)
+chgrp 4242 /dev/phx
+$T nonroot $NV 1000 4242
+chgrp 0 /dev/phx
+echo "PHX-INFO nv tests: $(( $(date +%s) - t0 )) s"
+for kind in mmap-unreg mmap-free munmap-free fork-free unreg-free munmap-unreg fork-unreg \
+	unreg-rereg; do
 	t0=$(date +%s)
 	$T race $NV $kind "$ITERS" 1
 	echo "PHX-INFO race/$kind: $ITERS iterations in $(( $(date +%s) - t0 )) s"
@@ -284,22 +344,58 @@ e3=$(rmmod phx 2>&1) && fail "nv-rmmod-refused: rmmod phx succeeded with users"
 if lsmod | grep -q '^phx_nv ' && lsmod | grep -q '^nv_p2p_stub '; then
 	pass nv-rmmod-refused "$e1 / $e2 / $e3"
 fi
-# the driver frees the memory under the holder: its registration goes, so
-# phx_nv may go, though the holder's (dead) mapping still exists
+# the application frees the memory under the holder: the registration
+# keeps it (persistent), so phx_nv stays in use until the holder goes
 echo 0 >/sys/kernel/debug/nv_p2p_stub/free_now
-if wait_regs0 && rmmod phx_nv; then
-	pass nv-rmmod-after-cb "phx_nv unloaded after the callback, holder still mapped"
+sleep 0.5
+if [ "$(info_regs)" = 1 ] && ! rmmod phx_nv 2>/dev/null && kill -0 $HP; then
+	kill -9 $HP
+	wait $HP 2>/dev/null
+	if wait_regs0 && rmmod phx_nv; then
+		pass nv-rmmod-after-free "cudaFree kept the holder's registration; phx_nv unloaded once it went"
+	else
+		fail "nv-rmmod-after-free: phx_nv did not unload after the holder went: $($T info)"
+	fi
 else
-	fail "nv-rmmod-after-cb: $($T info)"
+	fail "nv-rmmod-after-free: cudaFree revoked the holder's registration: $($T info)"
+	kill -9 $HP
+	wait $HP 2>/dev/null
+	rmmod phx_nv
 fi
-e3=$(rmmod phx 2>&1) && fail "nv-rmmod: rmmod phx succeeded while the holder maps /dev/phx"
-kill -9 $HP
-wait $HP 2>/dev/null
 cat $STATS
-if wait_regs0 && grep -q '^tables 0 .* client_bugs 0 poison_bad 0' $STATS && rmmod nv_p2p_stub; then
+if wait_regs0 && grep -q '^tables 0 .* client_bugs 0 poison_bad 0 slow_cb 0' $STATS &&
+	rmmod nv_p2p_stub; then
 	pass nv-rmmod "stub clean and unloaded"
 else
 	fail "nv-rmmod: $(cat $STATS 2>/dev/null); $($T info)"
+fi
+
+# the driver's older APIs: R515-R530 (persistent pages through get_pages
+# without a callback) works, a driver without persistent pages is refused
+for v in cap none; do
+	ko=PHX_STUB_${v^^}_KO
+	if insmod "${!ko}" && insmod "$PHX_NV_KO"; then
+		$T nvapi $NV $v
+		rmmod phx_nv
+	else
+		fail "nvapi-$v: the $v stub or phx_nv.ko did not load"
+	fi
+	rmmod nv_p2p_stub
+done
+
+# next to a proprietary driver the kernel must refuse phx_nv.ko (phx's
+# provider interface is GPL-only).  Last: the proprietary module taints
+# the kernel, which turns lockdep off.
+if insmod "$PHX_STUB_NVIDIA_KO"; then
+	if insmod "$PHX_NV_KO" 2>/tmp/gpl.err; then
+		fail "nv-gpl: phx_nv.ko loaded next to a proprietary NVIDIA driver"
+		rmmod phx_nv
+	else
+		pass nv-gpl "refused: $(head -1 /tmp/gpl.err); $(dmesg | grep -E 'GPL|Unknown symbol' | tail -1)"
+	fi
+	rmmod nv_p2p_stub
+else
+	fail "nv-gpl: the proprietary stub did not load"
 fi
 
 umount $MNT
