@@ -298,7 +298,10 @@ for fs in ext4 xfs; do
 	done
 done
 mkfs_mount ext4
+# the host checks this memory after the guest: the stub must not poison it
+echo 0 >/sys/kernel/debug/nv_p2p_stub/poison
 $T fillbar $NV 2 $((168 * M)) $((8 * M)) $MNT 0 $((8 * M)) 999 | prefix nv
+echo 1 >/sys/kernel/debug/nv_p2p_stub/poison
 $T fork $NV 2 0 $((16 * M)) | prefix nv
 $T unreg $NV 2 0 $((32 * M)) $MNT | prefix nv
 t0=$(date +%s)

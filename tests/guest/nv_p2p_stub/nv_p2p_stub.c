@@ -56,6 +56,8 @@
  *                    2: 64 KiB pages shuffled (not 2 MiB runs)
  *   pt_version       the version put in page tables
  *   pt_flags         the flags put in major-2 page tables
+ *   poison           0: leave memory the driver got back as it is (for
+ *                    tests that let the host check it afterwards)
  *   stats            read: live tables, callbacks, client bugs, poison...
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
@@ -132,7 +134,7 @@ module_init(stub_init);
 module_exit(stub_exit);
 
 MODULE_DESCRIPTION("Stand-in for the NVIDIA peer-to-peer API, proprietary license (tests)");
-MODULE_LICENSE("NVIDIA");
+MODULE_LICENSE("Proprietary");
 #else /* !STUB_PROPRIETARY */
 
 #define STUB_VA_BASE	0x100000000000ULL
@@ -187,6 +189,7 @@ static struct resource *sparse_res;
 static u32 fragment;
 static u32 pt_version = NVIDIA_P2P_PAGE_TABLE_VERSION;
 static u32 pt_flags;
+static bool poison = true;
 static int fail_get_errno, fail_get_n, fail_put_errno, fail_put_n;
 static int refuse_persistent;
 static int during_reg_n;
@@ -196,8 +199,18 @@ static unsigned long n_slow_cb, n_put_miss, n_app_freed;
 static struct stub_pt *firing;	/* the table whose callback runs */
 static u8 stub_uuid[16] = "nv_p2p_stub-gpu";
 
-#ifdef STUB_API_CAP
+/*
+ * R515-R530 export it as 1.  The default variant exports it as 0 (R535+
+ * drivers do not export it at all) only so that phx_nv.ko, built against
+ * that variant's Module.symvers, records its CRC and so also loads next to
+ * the cap variant on a CONFIG_MODVERSIONS kernel.  A phx_nv.ko built
+ * against a real driver's Module.symvers is loaded next to that driver.
+ */
+#if defined(STUB_API_CAP)
 int nvidia_p2p_cap_persistent_pages = 1;
+EXPORT_SYMBOL(nvidia_p2p_cap_persistent_pages);
+#elif !defined(STUB_API_NONE)
+int nvidia_p2p_cap_persistent_pages;
 EXPORT_SYMBOL(nvidia_p2p_cap_persistent_pages);
 #endif
 
@@ -243,6 +256,8 @@ static void stub_poison(struct stub_pt *sp)
 {
 	unsigned long i;
 
+	if (!poison)
+		return;
 	for (i = 0; i < sp->pt.entries; i++) {
 		u64 pa = sp->page_arr[i].physical_address;
 		struct stub_poison *p;
@@ -755,6 +770,7 @@ static void stub_debugfs_init(void)
 	debugfs_create_u32("fragment", 0600, stub_dir, &fragment);
 	debugfs_create_x32("pt_version", 0600, stub_dir, &pt_version);
 	debugfs_create_x32("pt_flags", 0600, stub_dir, &pt_flags);
+	debugfs_create_bool("poison", 0600, stub_dir, &poison);
 	debugfs_create_file("stats", 0400, stub_dir, NULL, &stub_stats_fops);
 }
 
