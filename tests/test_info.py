@@ -122,3 +122,26 @@ def test_info_kernel_module_consistent():
     if not os.path.exists("/dev/phx") and not os.path.isdir("/sys/module/phx"):
         assert loaded is False, d
     _reason(d)
+
+
+def test_info_cgroup_is_phx_cgroup():
+    """phx.info()'s cgroup entry is phx.cgroup's reading of this process's own
+    memory cgroup (the reader phx.kv's budgeter uses): same version, path,
+    limit and memory.high; the limit is the tightest up the tree."""
+    from phx import cgroup
+    d = phx.info()["cgroup"]
+    cg = cgroup.memory()
+    if cg is None:
+        assert d["version"] is None and _reason(d)
+        return
+    assert (d["version"], d["path"]) == (cg.version, cg.path)
+    caps = [lv.limit for lv in cg.levels if lv.limit < cgroup.UNLIMITED]
+    assert d["limit"] == (min(caps) if caps else "unlimited")
+    highs = [lv.high for lv in cg.levels if lv.high < cgroup.UNLIMITED]
+    assert d["high"] == (min(highs) if highs else "unlimited")
+    assert d["binding"] == (cg.binding.path if cg.binding else None)
+    with open("/proc/self/cgroup") as f:
+        mine = cgroup.parse_proc_cgroup(f.read())
+    own = cg.mount + (mine["v1"] if cg.version == 1 else mine["v2"]).rstrip("/")
+    # our own cgroup, not the hierarchy's root (the mount, in a cgroup namespace)
+    assert d["path"] == (own if os.path.isdir(own) else cg.mount), (d["path"], own)
