@@ -188,6 +188,7 @@ $T unreg "$B" 2 0 $((32 * M)) $MNT
 
 # --- a page held by a pipe past the unregister; rmmod meanwhile ---
 timeout 120 $T splice "$B" 0 $((16 * M)) rmmod || fail "splice: exit $?"
+lsmod | grep -q '^phx ' || { fail "splice: phx was unloaded"; insmod "$PHX_KO"; }
 
 # --- unbinding a phx-bound device under a live registration, and while
 # registrations are torn down; rebinding after (P2PDMA kernels) ---

@@ -37,7 +37,8 @@
 /* struct phx_register.flags (in) */
 /*
  * GENERIC mode only: register even if an IOMMU translates or swiotlb
- * bounces DMA for the provider device (the I/O may then miss the memory).
+ * bounces DMA for the provider device or a storage controller (the I/O
+ * may then miss the memory).  Needs CAP_SYS_RAWIO of the opener (-EPERM).
  */
 #define PHX_REG_ALLOW_IOMMU	(1U << 0)
 #define PHX_REG_FLAGS_ALL	(PHX_REG_ALLOW_IOMMU)
@@ -123,8 +124,10 @@ struct phx_register {
  * @pad: must be zero.
  *
  * All user mappings of the registration are zapped at once (later access
- * gets SIGBUS, later I/O -EFAULT); the call returns after I/O still in
- * flight on its pages has completed and the pages are gone.
+ * gets SIGBUS, later I/O -EFAULT); the call returns after nothing holds
+ * its pages any more (I/O in flight, a pipe, a fixed buffer) and they are
+ * gone.  A signal ends the wait with -EINTR: the handle is gone then, and
+ * the teardown completes in the background.
  */
 struct phx_unregister {
 	__u32 abi_version;
