@@ -175,8 +175,11 @@ def test_register_buffer_uses_fixed(engine, src):
             d2 = delta(engine, lambda: f.pread(sub, 64 * KiB))
         assert_same(memoryview(buf)[:4096], data[:4096])
         assert_same(sub, data[64 * KiB:128 * KiB])
-        assert d["fixed_buf_ios"] >= 1 and d["direct_bytes"] == 1 * MiB
-        assert d2["fixed_buf_ios"] >= 1
+        if engine.backend == "threads":   # registration kept, nothing fixed (be_threads.c)
+            assert d["fixed_buf_ios"] == 0 and d2["fixed_buf_ios"] == 0
+        else:
+            assert d["fixed_buf_ios"] >= 1 and d2["fixed_buf_ios"] >= 1
+        assert d["direct_bytes"] == 1 * MiB
     finally:
         engine.unregister_buffer(buf)
     with phx.open(path, "r", engine=engine) as f:

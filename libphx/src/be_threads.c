@@ -19,7 +19,9 @@
  * most 64): as many blocking calls in flight as io_uring would have
  * requests in the device.  They
  * block every signal (a caller's handlers run in the caller's threads)
- * and live until the engine is destroyed.
+ * and live until the engine is destroyed.  They are not copied by fork():
+ * in a child the parent's engine can only be destroyed (its progress
+ * fails with -ECHILD).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -249,6 +251,9 @@ static int threads_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_
 	int64_t deadline = timeout_ns >= 0 ? phx_now_ns() + timeout_ns : -1;
 	int ret = 0;
 
+	if (eng->pid != getpid())
+		return phx_err(-ECHILD, "this engine was created by process %d: its I/O threads are not in this forked child (make an engine here)",
+			       (int)eng->pid);
 	pthread_mutex_lock(&eng->lock);
 	for (;;) {
 		io_fill(eng);
@@ -307,6 +312,12 @@ static void threads_teardown(phx_engine *eng)
 	struct be_threads_state *t = &eng->u.threads;
 	uint32_t i;
 
+	if (eng->pid && eng->pid != getpid()) {
+		/* fork()'s copy: the workers (and waiters on t->work) are the parent's */
+		free(t->tids);
+		t->tids = NULL;
+		return;
+	}
 	pthread_mutex_lock(&eng->lock);
 	t->stop = true;
 	pthread_cond_broadcast(&t->work);

@@ -226,6 +226,7 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	pthread_mutex_init(&eng->lock, NULL);
 	pthread_cond_init(&eng->cond, NULL);
 	eng->efd = -1;
+	eng->pid = getpid();
 	phx_engine_config_init(&eng->cfg);
 	ret = phx_env_check();
 	if (ret)
@@ -285,7 +286,11 @@ PHX_EXPORT int phx_engine_destroy(phx_engine *eng)
 		pthread_mutex_unlock(&eng->lock);
 		return -EPERM;
 	}
-	while (eng->inflight || eng->pend_head) {
+	/*
+	 * A copy made by fork(): what is in flight is the parent's (its ring,
+	 * its I/O threads), nothing here can complete it.  Free the copy.
+	 */
+	while ((eng->inflight || eng->pend_head) && eng->pid == getpid()) {
 		pthread_mutex_unlock(&eng->lock);
 		ret = engine_progress(eng, NULL, -1, true);
 		pthread_mutex_lock(&eng->lock);
@@ -563,6 +568,8 @@ PHX_EXPORT int phx_wait(phx_engine *eng, struct phx_io *io, int64_t timeout_ns)
 		ret = engine_progress(eng, io, timeout_ns, true);
 		if (ret == -ETIME && !io_is_done(io))
 			return phx_err(-ETIME, "request not complete within the timeout");
+		if (ret == -ECHILD)	/* fork()'s copy of a threads engine: never */
+			return ret;
 	}
 	/* A waited-on request is not handed back by phx_poll(). */
 	pthread_mutex_lock(&eng->lock);
@@ -607,9 +614,11 @@ PHX_EXPORT int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n)
 	pthread_mutex_lock(&eng->lock);
 	ret = submit_locked(eng, v, n, false);
 	pthread_mutex_unlock(&eng->lock);
+	/* only fork()'s copy of a threads engine (-ECHILD) gives up: never completes */
 	for (i = 0; !ret && i < n; i++)
-		while (!io_is_done(&ios[i]))
-			engine_progress(eng, &ios[i], -1, true);
+		while (!ret && !io_is_done(&ios[i]))
+			if (engine_progress(eng, &ios[i], -1, true) == -ECHILD)
+				ret = -ECHILD;
 	if (v != small)
 		free(v);
 	return ret;

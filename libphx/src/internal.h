@@ -235,6 +235,7 @@ struct phx_engine {
 	uint32_t unsubmitted;	/* ops queued but not yet handed over (uring) */
 	bool tick_armed;	/* a retry tick is in flight (see io_fill) */
 	pid_t owner_tid;	/* PHX_ENGINE_SINGLE_THREAD: the only thread allowed */
+	pid_t pid;		/* the process that created it (a fork's copy is not it) */
 
 	union {
 		struct be_uring_state uring;

@@ -10,7 +10,9 @@
  * back to threads, says why and moves the right bytes (aligned, unaligned,
  * short read at EOF), while an engine asked for io_uring only fails with
  * that errno.  The filter is raw BPF so that this test needs no libseccomp
- * (tests/seccomp/ runs whole suites under libseccomp's).
+ * (tests/seccomp/ runs whole suites under libseccomp's).  A forked child
+ * cannot use its parent's threads engine (-ECHILD, no hang) but can
+ * destroy it and make its own.
  */
 #include <linux/audit.h>
 #include <linux/filter.h>
@@ -189,11 +191,47 @@ static void fallback_in_child(int err)
 }
 #endif
 
+/*
+ * fork() copies no I/O thread: in the child the parent's threads engine
+ * fails (-ECHILD) instead of waiting forever, is destroyed at once, and a
+ * new engine works; the parent's goes on.
+ */
+static void forked(void)
+{
+	phx_engine *eng = engine_on(PHX_BACKEND_THREADS, 0);
+	const char *path = t_path("fork");
+	unsigned char *data = t_random_file(path, MiB), *buf = t_alloc(MiB, 4096);
+	phx_file *f = t_open(eng, path, O_RDONLY, 0);
+	pid_t pid;
+	int st;
+
+	T_CHECK(phx_pread(f, buf, MiB, 0) == (int64_t)MiB, "read before fork");
+	pid = fork();
+	T_CHECK(pid >= 0, "fork");
+	if (!pid) {
+		alarm(20);	/* a hang fails the test */
+		T_CHECK(phx_pread(f, buf, 4096, 0) == -ECHILD, "parent's engine in the child");
+		T_CHECK(phx_engine_destroy(eng) == 0, "destroy the parent's engine in the child");
+		eng = engine_on(PHX_BACKEND_THREADS, 0);
+		bytes_check(eng, "child");
+		T_CHECK(phx_engine_destroy(eng) == 0, "destroy");
+		exit(T_EXIT_PASS);
+	}
+	T_CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	T_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "forked child status 0x%x", st);
+	memset(buf, 0, MiB);
+	T_CHECK(phx_pread(f, buf, MiB, 0) == (int64_t)MiB, "read after fork");
+	T_SAME(buf, data, MiB, "parent after fork");
+	T_CHECK(phx_engine_destroy(eng) == 0, "destroy");
+	free(data); free(buf);
+}
+
 int main(void)
 {
 	t_seed();
 	unsetenv("PHX_ENGINE");
 	selection();
+	forked();
 #ifdef T_AUDIT_ARCH
 	fallback_in_child(EPERM);
 	fallback_in_child(ENOSYS);

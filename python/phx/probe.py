@@ -25,7 +25,7 @@ def _read(path: str) -> str | None:
 
 def _io_uring() -> dict[str, Any]:
     try:
-        eng = phx.Engine(queue_depth=4)
+        eng = phx.Engine(queue_depth=4, backend="uring")
     except OSError as e:
         disabled = _read("/proc/sys/kernel/io_uring_disabled")
         why = str(e)
@@ -35,6 +35,20 @@ def _io_uring() -> dict[str, Any]:
     feats = eng.features
     eng.close()
     return {"available": True, "reason": "io_uring_setup succeeded", **feats}
+
+
+def _engine() -> dict[str, Any]:
+    """The backend an engine gets here (PHX_ENGINE honoured), why, and each
+    backend's availability (libphx's table, phx_backend_check)."""
+    from phx._lib.engine import backends
+    out: dict[str, Any] = {"backends": backends()}
+    try:
+        eng = phx.Engine(queue_depth=4)
+    except (OSError, ValueError) as e:
+        return {"available": False, "reason": str(e), **out}
+    out = {"available": True, "backend": eng.backend, "reason": eng.backend_reason, **out}
+    eng.close()
+    return out
 
 
 def _fs_type(path: str) -> str:
@@ -154,6 +168,7 @@ def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
         "phx": phx.__version__,
         "kernel": platform.release(),
         "io_uring": _io_uring(),
+        "engine": _engine(),
         "o_direct": _direct(os.fspath(path)),
         "cuda": _cuda(),
         "kernel_module": _module(),
@@ -161,12 +176,14 @@ def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
         "cgroup": _cgroup(),
         "nvme_namespaces": _nvme(),
     }
-    if not info["io_uring"]["available"]:
-        info["host_path"] = "none: phx needs io_uring"
+    eng = {"uring": "io_uring", "threads": "thread pool (preadv2/pwritev2)"}.get(
+        info["engine"].get("backend"))
+    if eng is None:
+        info["host_path"] = "none: " + info["engine"]["reason"]
     elif info["o_direct"]["available"]:
-        info["host_path"] = "io_uring + O_DIRECT (page cache bypassed)"
+        info["host_path"] = f"{eng} + O_DIRECT (page cache bypassed)"
     else:
-        info["host_path"] = "io_uring, buffered (this filesystem refuses O_DIRECT)"
+        info["host_path"] = f"{eng}, buffered (this filesystem refuses O_DIRECT)"
     if info["kernel_module"]["loaded"]:
         info["gpu_path"] = "direct via /dev/phx"
     elif info["cuda"]["available"]:

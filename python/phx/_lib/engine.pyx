@@ -194,8 +194,37 @@ _STATS_FIELDS = ("reads", "writes", "bytes_read", "bytes_written", "direct_bytes
                  "short_ios", "fixed_buf_ios", "sqes", "submits", "errors")
 
 
+#: ``backend=`` names, by ``enum phx_backend_kind``.
+_BACKENDS = {"auto": PHX_BACKEND_AUTO, "uring": PHX_BACKEND_URING,
+             "threads": PHX_BACKEND_THREADS}
+
+
+def backends() -> list:
+    """Each backend an engine can run on, whether it can here, and why not:
+    ``[{"name", "description", "available", "reason"}, ...]`` (``phx info``)."""
+    cdef const char *name = NULL
+    cdef const char *desc = NULL
+    cdef int rc
+    out = []
+    for kind in (PHX_BACKEND_URING, PHX_BACKEND_THREADS):
+        with nogil:
+            rc = phx_backend_check(kind, &name, &desc)
+        out.append({"name": name.decode(), "description": desc.decode(),
+                    "available": rc == 0,
+                    "reason": phx_strerror_last().decode(errors="replace") if rc else
+                    "available"})
+    return out
+
+
 cdef class Engine:
-    """One io_uring with its bounce buffers, registered files and counters.
+    """One io_uring (or thread pool) with its bounce buffers, registered files
+    and counters.
+
+    ``backend``: ``"auto"`` (io_uring; a pool of threads calling
+    preadv2/pwritev2 where io_uring is refused, as containers' seccomp
+    profiles do), ``"uring"`` (fail instead) or ``"threads"``; ``None``
+    takes ``PHX_ENGINE`` (default auto).  :attr:`backend` and
+    :attr:`backend_reason` say which runs and why.
 
     Thread-safe, unless ``single_thread=True``: then only the thread that
     created it may use it (other threads get ``PermissionError``), and in
@@ -211,17 +240,19 @@ cdef class Engine:
 
     def __cinit__(self, queue_depth=None, max_io_size=None, bounce_size=None,
                   bounce_count=None, *, submit_batch=None, bint fixed_files=True,
-                  bint fixed_buffers=True, bint single_thread=False):
+                  bint fixed_buffers=True, bint single_thread=False, backend=None,
+                  io_threads=None):
         cdef phx_engine_config cfg
         cdef int rc
         phx_engine_config_init(&cfg)
         for name, v in (("queue_depth", queue_depth), ("max_io_size", max_io_size),
                         ("bounce_size", bounce_size), ("bounce_count", bounce_count),
-                        ("submit_batch", submit_batch)):
+                        ("submit_batch", submit_batch), ("io_threads", io_threads)):
             if v is not None and not hasattr(type(v), "__index__"):
                 # settings are counts, like offsets: 1.5 or "8" is a mistake
                 raise TypeError(f"{name} must be an integer, not {type(v).__name__} {v!r}")
-            if v is not None and name != "submit_batch" and not (0 < v < 2**32):
+            if v is not None and name not in ("submit_batch", "io_threads") and \
+                    not (0 < v < 2**32):
                 raise ValueError(f"{name} must be a positive integer, not {v!r}")
         if queue_depth is not None:
             cfg.queue_depth = queue_depth
@@ -235,6 +266,15 @@ cdef class Engine:
             if not (0 <= submit_batch < 2**32):
                 raise ValueError(f"submit_batch must be >= 0, not {submit_batch!r}")
             cfg.submit_batch = submit_batch
+        if io_threads is not None:
+            if not (0 <= io_threads < 2**32):
+                raise ValueError(f"io_threads must be >= 0, not {io_threads!r}")
+            cfg.io_threads = io_threads
+        if backend is not None:
+            if backend not in _BACKENDS:
+                raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, "
+                                 f"not {backend!r}")
+            cfg.backend = _BACKENDS[backend]
         if not fixed_files:
             cfg.flags |= PHX_ENGINE_NO_FIXED_FILES
         if not fixed_buffers:
@@ -288,7 +328,8 @@ cdef class Engine:
         phx_engine_config_get(self._get(), &cfg)
         return {"queue_depth": cfg.queue_depth, "max_io_size": cfg.max_io_size,
                 "bounce_size": cfg.bounce_size, "bounce_count": cfg.bounce_count,
-                "max_files": cfg.max_files, "submit_batch": cfg.submit_batch}
+                "max_files": cfg.max_files, "submit_batch": cfg.submit_batch,
+                "io_threads": cfg.io_threads}
 
     @property
     def features(self) -> dict:
@@ -304,14 +345,28 @@ cdef class Engine:
                 "defer_taskrun": bool(f & PHX_FEAT_DEFER_TASKRUN),
                 "registered_ring": bool(f & PHX_FEAT_REG_RING)}
 
+    @property
+    def backend(self) -> str:
+        """What the engine runs on: ``"uring"`` or ``"threads"``."""
+        return phx_engine_backend(self._get()).decode()
+
+    @property
+    def backend_reason(self) -> str:
+        """Why: ``"io_uring_setup succeeded"``, ``"asked for ..."``, or why
+        io_uring could not be had."""
+        return phx_engine_backend_reason(self._get()).decode(errors="replace")
+
     def stats(self) -> dict:
-        """Counters: requests, bytes, and bytes by path (direct / bounce / page cache)."""
+        """Counters: requests, bytes, and bytes by path (direct / bounce / page
+        cache); ``backend`` and ``backend_reason`` say what moved them."""
         cdef phx_stats st
         phx_engine_stats(self._get(), &st)
         vals = (st.reads, st.writes, st.bytes_read, st.bytes_written, st.direct_bytes,
                 st.bounce_bytes, st.buffered_bytes, st.bounce_ios, st.rmw_ios,
                 st.short_ios, st.fixed_buf_ios, st.sqes, st.submits, st.errors)
         out = dict(zip(_STATS_FIELDS, vals))
+        out["backend"] = self.backend
+        out["backend_reason"] = self.backend_reason
         gpu = _sys.modules.get("phx.gpu")     # only if GPU I/O was ever used
         if gpu is not None:
             out.update(gpu.engine_stats(self))

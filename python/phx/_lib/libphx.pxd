@@ -27,6 +27,9 @@ cdef extern from "phx.h" nogil:
         PHX_PATH_DIRECT
         PHX_PATH_BOUNCE
         PHX_PATH_BUFFERED
+        PHX_BACKEND_AUTO
+        PHX_BACKEND_URING
+        PHX_BACKEND_THREADS
 
     cdef enum phx_op:
         PHX_OP_READ
@@ -41,6 +44,8 @@ cdef extern from "phx.h" nogil:
         uint32_t flags
         uint32_t max_files
         uint32_t submit_batch
+        uint32_t backend
+        uint32_t io_threads
 
     struct phx_file_info:
         uint32_t size
@@ -87,6 +92,9 @@ cdef extern from "phx.h" nogil:
     int phx_engine_destroy(phx_engine *eng)
     void phx_engine_config_get(const phx_engine *eng, phx_engine_config *cfg)
     uint32_t phx_engine_features(const phx_engine *eng)
+    const char *phx_engine_backend(const phx_engine *eng)
+    const char *phx_engine_backend_reason(const phx_engine *eng)
+    int phx_backend_check(uint32_t kind, const char **name, const char **desc)
     int phx_engine_eventfd(phx_engine *eng)
     void phx_engine_stats(phx_engine *eng, phx_stats *st)
     void phx_engine_stats_reset(phx_engine *eng)
