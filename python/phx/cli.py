@@ -86,10 +86,11 @@ def settings_error() -> str | None:
         phx.Engine().close()
     except ImportError:
         return None
-    except OSError as e:
-        if e.errno != errno.EINVAL:
+    except (OSError, ValueError) as e:   # the binding raises ValueError for EINVAL
+        if isinstance(e, OSError) and e.errno != errno.EINVAL:
             return None              # no io_uring etc.: `phx info` says why
-        msg = e.strerror or str(e)
+        msg = (e.strerror if isinstance(e, OSError) else None) or str(e)
+        msg = msg.removesuffix(": Invalid argument")
         if "PHX_" in msg:
             return msg
         set_ = [f"{k}={v}" for k, v in sorted(os.environ.items())

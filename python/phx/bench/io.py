@@ -1,7 +1,7 @@
 """``phx bench io``: file read/write GB/s and IOPS, phx vs fio at its strongest vs os.preadv.
 
 For each row (operation, block size, queue depth) every engine runs for
-``--runtime`` seconds on the same file, ``--repeats`` times, the engines taking
+``--runtime`` seconds on the same file, ``--repeat`` times, the engines taking
 turns within each repeat (the order rotates from repeat to repeat) so that
 drift of a shared disk hits all of them alike.  Reported: the median GB/s and
 IOPS of the repeats, their spread ((max - min) / median), each engine's ratio
