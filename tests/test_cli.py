@@ -473,3 +473,13 @@ def test_cli_refuses_garbage_settings(argv, phx_cmd):
                        env={**os.environ, "PHX_QUEUE_DEPTH": "64x"})
     line = _one_line(r.stderr)
     assert r.returncode == 2 and "PHX_QUEUE_DEPTH" in line and "64x" in line, line
+
+
+@pytest.mark.parametrize("spec", ["/dev/null,first_lba=x", "/dev/null,queue_depth=4k",
+                                  "/dev/null,bogus=1"])
+def test_phx_kv_nvme_garbage_names_the_variable(spec, monkeypatch):
+    """The one PHX_* value the Python side parses itself (phx.kv's NVMe backend)."""
+    from phx.kv.nvme_backend import from_env
+    monkeypatch.setenv("PHX_KV_NVME", spec)
+    with pytest.raises(ValueError, match="PHX_KV_NVME"):
+        from_env()

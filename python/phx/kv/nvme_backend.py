@@ -217,7 +217,10 @@ def from_env(env: str = ENV) -> NvmeBackend | None:
         if k == "force":
             kw[k] = v.strip() not in ("", "0", "false", "no")
         elif k in ("first_lba", "nr_lbas", "queue_depth", "nr_queues"):
-            kw[k] = int(v, 0)
+            try:
+                kw[k] = int(v, 0)
+            except ValueError:
+                raise ValueError(f"{env}: {k}={v!r} is not a whole number") from None
         else:
             raise ValueError(f"{env}: unknown option {k!r} (first_lba, nr_lbas, "
                              "queue_depth, nr_queues, force)")
