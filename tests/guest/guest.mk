@@ -5,7 +5,8 @@ PHX_GUEST := $(PYTHON) tests/guest/phxguest.py
 PHX_GUEST_NVME ?= size=512M,lba=4096,mdts=7
 PHX_GUEST_IVSHMEM ?= 256M
 
-.PHONY: test-guest-phx test-guest-p2pdma test-guest-next test-guest-races test-guest-debug
+.PHONY: test-guest-phx test-guest-p2pdma test-guest-next test-guest-races test-guest-debug \
+	test-guest-nv test-guest-debug-nv
 
 # phx.ko on Debian's 6.12 kernel (MEMORY_DEVICE_GENERIC pages).
 test-guest-phx: build
@@ -41,5 +42,18 @@ test-guest-races:
 test-guest-debug:
 	$(PHX_GUEST) tests/guest/suite_phx.sh --kernel debug \
 		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM) --timeout 2400
+
+# Only the NVIDIA-path tests (suite_nv.sh), on Debian 6.12: a quick check.
+test-guest-nv:
+	$(PHX_GUEST) tests/guest/suite_nv.sh --kernel $(or $(PHX_GUEST_KERNEL),debian) \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM)
+
+# The NVIDIA-path tests (and the PCI unbind test) on the debug kernel, at
+# 1000 race iterations and 50 cudaFree-under-I/O rounds (issue 25).  Builds
+# the debug kernel once like test-guest-debug.  Not in CI.
+test-guest-debug-nv:
+	PHX_SUITE_RACE_ITERS=1000 PHX_SUITE_NVCB_ROUNDS=50 \
+	$(PHX_GUEST) tests/guest/suite_nv.sh --kernel debug \
+		--nvme $(PHX_GUEST_NVME) --ivshmem-size $(PHX_GUEST_IVSHMEM) --timeout 7200
 
 test-guest:: test-guest-phx test-guest-next

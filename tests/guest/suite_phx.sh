@@ -190,42 +190,6 @@ $T unreg "$B" 2 0 $((32 * M)) $MNT
 timeout 120 $T splice "$B" 0 $((16 * M)) rmmod || fail "splice: exit $?"
 lsmod | grep -q '^phx ' || { fail "splice: phx was unloaded"; insmod "$PHX_KO"; }
 
-# --- unbinding a phx-bound device under a live registration, and while
-# registrations are torn down; rebinding after (P2PDMA kernels) ---
-bind_phx() {
-	echo phx >/sys/bus/pci/devices/$B/driver_override
-	echo "$B" >/sys/bus/pci/drivers_probe
-	[ "$(basename "$(readlink /sys/bus/pci/devices/$B/driver)")" = phx ]
-}
-unbind_phx() {	# prints the seconds it took; fails past 60 s
-	local t0=$(date +%s)
-	timeout 60 bash -c "echo $B >/sys/bus/pci/drivers/phx/unbind" || return 1
-	echo $(( $(date +%s) - t0 ))
-}
-if [ $P2P = 1 ]; then
-	ok=1
-	$T hold "$B" 2 0 $((16 * M)) >/tmp/uhold.log &
-	HP=$!
-	for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/uhold.log && break; sleep 0.1; done
-	s1=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind with a live registration hung"; }
-	wait_regs0 || { ok=0; fail "pci-unbind: the holder's registration survived the unbind"; }
-	kill -9 $HP; wait $HP 2>/dev/null
-	bind_phx || { ok=0; fail "pci-unbind: rebinding failed"; }
-	$T busyio "$B" 2 0 $((32 * M)) $MNT >/tmp/ubusy.log &
-	BP=$!
-	for _ in $(seq 200); do grep -q PHX-BUSY /tmp/ubusy.log && break; sleep 0.1; done
-	sleep 1
-	kill -9 $BP
-	s2=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind during a teardown hung"; }
-	wait $BP 2>/dev/null
-	wait_regs0 || { ok=0; fail "pci-unbind: registrations left after the unbind"; }
-	bind_phx || { ok=0; fail "pci-unbind: rebinding after the teardown failed"; }
-	$T fork "$B" 2 0 $((16 * M)) >/tmp/ufork.log || { ok=0; fail "pci-unbind: no registration after rebinding"; }
-	[ $ok = 1 ] && pass pci-unbind "live registration revoked by unbind (${s1} s), unbind during a teardown (${s2} s), rebound twice, registering works"
-else
-	pass pci-unbind "not run: no device bound to phx (this kernel has no CONFIG_PCI_P2PDMA)"
-fi
-
 # --- concurrent registrations from several processes ---
 pids=()
 for i in 0 1 2; do
@@ -275,6 +239,43 @@ else
 fi
 
 fi # PHX_SUITE_ONLY
+
+# --- unbinding a phx-bound device under a live registration, and while
+# registrations are torn down; rebinding after (P2PDMA kernels) ---
+bind_phx() {
+	echo phx >/sys/bus/pci/devices/$B/driver_override
+	echo "$B" >/sys/bus/pci/drivers_probe
+	[ "$(basename "$(readlink /sys/bus/pci/devices/$B/driver)")" = phx ]
+}
+unbind_phx() {	# prints the seconds it took; fails past 60 s
+	local t0=$(date +%s)
+	timeout 60 bash -c "echo $B >/sys/bus/pci/drivers/phx/unbind" || return 1
+	echo $(( $(date +%s) - t0 ))
+}
+if [ $P2P = 1 ]; then
+	ok=1
+	mountpoint -q $MNT || mkfs_mount ext4
+	$T hold "$B" 2 0 $((16 * M)) >/tmp/uhold.log &
+	HP=$!
+	for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/uhold.log && break; sleep 0.1; done
+	s1=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind with a live registration hung"; }
+	wait_regs0 || { ok=0; fail "pci-unbind: the holder's registration survived the unbind"; }
+	kill -9 $HP; wait $HP 2>/dev/null
+	bind_phx || { ok=0; fail "pci-unbind: rebinding failed"; }
+	$T busyio "$B" 2 0 $((32 * M)) $MNT >/tmp/ubusy.log &
+	BP=$!
+	for _ in $(seq 200); do grep -q PHX-BUSY /tmp/ubusy.log && break; sleep 0.1; done
+	sleep 1
+	kill -9 $BP
+	s2=$(unbind_phx) || { ok=0; fail "pci-unbind: unbind during a teardown hung"; }
+	wait $BP 2>/dev/null
+	wait_regs0 || { ok=0; fail "pci-unbind: registrations left after the unbind"; }
+	bind_phx || { ok=0; fail "pci-unbind: rebinding after the teardown failed"; }
+	$T fork "$B" 2 0 $((16 * M)) >/tmp/ufork.log || { ok=0; fail "pci-unbind: no registration after rebinding"; }
+	[ $ok = 1 ] && pass pci-unbind "live registration revoked by unbind (${s1} s), unbind during a teardown (${s2} s), rebound twice, registering works"
+else
+	pass pci-unbind "not run: no device bound to phx (this kernel has no CONFIG_PCI_P2PDMA)"
+fi
 
 # --- the NVIDIA provider: phx_nv.ko built against the stub's Module.symvers ---
 if [ $P2P = 1 ]; then
