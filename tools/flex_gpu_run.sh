@@ -61,7 +61,7 @@ bench() {
 	local t=$(($(time_left) - 10))
 	[ $t -gt 60 ] || { log "no time left for phx bench kv ($t s)"; return 0; }
 	log "phx bench kv (gen 8, 3 caps, 1 repeat, $t s)"
-	timeout $t python3 -m phx bench kv --gen 8 --caps 0.4,0.8,1.2 --repeat 1 --no-progress \
+	timeout $t python3 -m phx bench kv --gen 8 --caps 0.4,0.8,1.2 --repeat 1 --quiet \
 		--dir /var/tmp/phxkv --json "$OUT/bench-kv.json" --plot "$OUT/bench-kv.png" 2>&1 |
 		tee -a "$LOG" | tail -25
 	rm -rf /var/tmp/phxkv
