@@ -38,6 +38,17 @@ static const char *const phx_settings[] = {
 	"PHX_NVME_QUEUE_DEPTH", "PHX_NVME_QUEUES",
 };
 
+/* PHX_ENGINE's values, indexed by enum phx_backend_kind (engine.c). */
+const char *const phx_engine_choices[] = { "auto", "uring", "threads", NULL };
+
+/* The settings read with phx_env_choice(): one of a few names each. */
+static const struct {
+	const char *name;
+	const char *const *choices;
+} phx_choice_settings[] = {
+	{ "PHX_ENGINE", phx_engine_choices },
+};
+
 /* 0 and *out on success, -ENOENT when unset or empty, -EINVAL when unreadable. */
 static int env_parse(const char *name, uint32_t *out)
 {
