@@ -68,6 +68,12 @@ enum {
 	 * phx_engine_features()).
 	 */
 	PHX_ENGINE_SINGLE_THREAD = 1u << 2,
+	/*
+	 * Do not publish this engine's counters for `phx top` (see "Live
+	 * counters" below): a GPU context's lane engines, whose sums the
+	 * context publishes.
+	 */
+	PHX_ENGINE_UNPUBLISHED = 1u << 3,
 };
 
 /*
@@ -330,6 +336,57 @@ struct phx_stats {
 
 void phx_engine_stats(phx_engine *eng, struct phx_stats *st);
 void phx_engine_stats_reset(phx_engine *eng);
+
+/* ------------------------------------------------------------------------ */
+/* Live counters for other processes (`phx stats`, `phx top`)               */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Every engine and GPU context of a process (and libphxfile, and any caller
+ * that adds a source) publishes its counters in one shared-memory file per
+ * copy of libphx in the process, PHX_STATS_DIR/phx-stats.<pid>.<n> (default
+ * /dev/shm), which `phx stats` and `phx top` of another process read.  A
+ * thread of libphx's own copies each source's counters there every
+ * PHX_STATS_INTERVAL_MS (default 200); it runs only while something is
+ * published.  PHX_STATS=0 turns publication off.  The file describes itself
+ * (each kind of source with the names of its counters; the layout is in
+ * docs/design.md, "Live counters"), so readers need no header.  It is removed
+ * when the last source goes and at exit; readers remove the files of
+ * processes that died.  A forked child publishes only what it creates.
+ */
+typedef struct phx_stats_source phx_stats_source;
+
+/* Fill @vals[0..n) with a source's current counters (no blocking work). */
+typedef void (*phx_stats_fill_fn)(void *arg, uint64_t *vals, uint32_t n);
+
+/*
+ * Publish a source of kind @kind ("engine", "cuda", "phxfile", ...) whose @n
+ * counters are named @names (at most PHX_STATS_MAX_COUNTERS; a kind's names
+ * are fixed by its first source), shown as @label.  @fill is called from
+ * libphx's publishing thread, and from phx_stats_publish(), until
+ * phx_stats_source_remove() returns.  Returns 0 and *@out, or -errno: -EINVAL
+ * for bad arguments or a kind whose names differ, -ENOSPC when the file has
+ * no room for the kind or the source, -ENOTSUP with PHX_STATS=0 or where the
+ * file cannot be made (the reason in phx_strerror_last()).  Publication is
+ * best effort: callers go on without it.
+ */
+#define PHX_STATS_MAX_COUNTERS 64
+int phx_stats_source_add(const char *kind, const char *const *names, uint32_t n,
+			 const char *label, phx_stats_fill_fn fill, void *arg,
+			 phx_stats_source **out);
+
+/* Stop publishing @src (NULL: nothing); after it returns @fill is not called. */
+void phx_stats_source_remove(phx_stats_source *src);
+
+/* Copy every source's counters into the file now; 0, or -errno (nothing published). */
+int phx_stats_publish(void);
+
+/*
+ * The file this copy of libphx publishes in (NUL-terminated in @buf of @len
+ * bytes): its length, or -ENOENT (nothing published yet), -ENOTSUP (off, the
+ * reason in phx_strerror_last()), -ERANGE (@len too small).
+ */
+int phx_stats_path(char *buf, size_t len);
 
 /* ------------------------------------------------------------------------ */
 /* Device memory through /dev/phx (phx.ko)                                  */

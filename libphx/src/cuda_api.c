@@ -13,6 +13,7 @@
  */
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -343,6 +344,36 @@ CU_EXPORT void phx_cuda_stats_get(phx_cuda *c, struct phx_cuda_stats *st, size_t
 		all.bad_refusals += es.bad_refusals;
 	}
 	memcpy(st, &all, size < sizeof(all) ? size : sizeof(all));
+}
+
+/* Live counters: every named field of struct phx_cuda_stats, for `phx top`. */
+#define CS(f) STAT_FIELD(struct phx_cuda_stats, f)
+static const struct stat_field cuda_stat_fields[] = {
+	CS(reads), CS(writes), CS(bytes_read), CS(bytes_written), CS(direct_bytes),
+	CS(bounce_bytes), CS(buffered_bytes), CS(h2d_bytes), CS(d2h_bytes), CS(chunks),
+	CS(stream_ops), CS(errors), CS(fixed_buf_ios), CS(sqes), CS(staging_bytes),
+	CS(staging_fills), CS(memcpy_calls), CS(memcpy_batch_calls), CS(file_adoptions),
+	CS(pinned_bytes), CS(early_reads), CS(early_misses), CS(stream_released),
+	CS(stream_queue_ns), CS(stream_data_ns), CS(stream_gpu_ns), CS(queue_waits),
+	CS(early_refused), CS(bad_marks), CS(bad_refusals), CS(orphans), CS(broken),
+};
+#undef CS
+
+static void cu_stats_fill(void *obj, void *st)
+{
+	phx_cuda_stats_get(obj, st, sizeof(struct phx_cuda_stats));
+}
+
+void cu_stats_publish(phx_cuda *c)
+{
+	char label[64];
+
+	snprintf(label, sizeof(label), "GPU %d, %u lanes x %u x %u KiB staging",
+		 c->cfg.device, c->nlanes, c->cfg.bufs_per_lane, c->cfg.buf_size >> 10);
+	/* best effort: a context without live counters works the same */
+	stats_add_struct("cuda", label, cuda_stat_fields,
+			 sizeof(cuda_stat_fields) / sizeof(cuda_stat_fields[0]),
+			 cu_stats_fill, c, &c->pub);
 }
 
 /* The PHX_0.2 layout: everything before reserved[]. */

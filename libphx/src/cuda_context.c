@@ -596,6 +596,7 @@ CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg
 		cu_err_restore(keep);
 		return ret;
 	}
+	cu_stats_publish(c);
 	*out = c;
 	return 0;
 
@@ -681,6 +682,7 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 
 	if (!c)
 		return 0;
+	phx_stats_source_remove(c->pub);	/* its fill reads the lanes */
 	wait_idle(c);
 	poller_stop(c);
 	copier_stop(c);

@@ -592,6 +592,10 @@ struct phx_cuda {
 	uint64_t live;			/* requests not finished (done_lock) */
 
 	struct phx_cuda_stats st;
+	phx_stats_source *pub;		/* live counters (stats_pub.c), or NULL */
 };
+
+/* cuda_api.c: publish @c's counters for `phx top` (best effort). */
+void cu_stats_publish(phx_cuda *c);
 
 #endif /* PHX_CUDA_INTERNAL_H */

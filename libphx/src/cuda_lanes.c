@@ -580,7 +580,8 @@ int lane_setup(phx_cuda *c, struct cu_lane *ln, uint32_t index)
 	 */
 	ec.bounce_count = 8;
 	ec.bounce_size = 64 << 10;
-	ec.flags |= PHX_ENGINE_NO_FIXED_FILES;
+	/* the context publishes the lanes' sums (cu_stats_publish) */
+	ec.flags |= PHX_ENGINE_NO_FIXED_FILES | PHX_ENGINE_UNPUBLISHED;
 	ret = phx_engine_create(&ec, &ln->eng);
 	if (ret)
 		return cu_err(ret, "lane engine: %s", phx_strerror_last());

@@ -202,6 +202,35 @@ static void engine_free(phx_engine *eng)
 
 static int engine_create(const struct phx_engine_config *cfg, phx_engine **out);
 
+/* Live counters: every named field of struct phx_stats, for `phx top`. */
+#define ES(f) STAT_FIELD(struct phx_stats, f)
+static const struct stat_field engine_stat_fields[] = {
+	ES(reads), ES(writes), ES(bytes_read), ES(bytes_written), ES(direct_bytes),
+	ES(bounce_bytes), ES(buffered_bytes), ES(bounce_ios), ES(rmw_ios), ES(short_ios),
+	ES(fixed_buf_ios), ES(sqes), ES(submits), ES(errors), ES(bad_marks),
+	ES(bad_refusals),
+};
+#undef ES
+
+static void engine_stats_fill(void *obj, void *st)
+{
+	phx_engine_stats(obj, st);
+}
+
+/* Best effort: an engine without live counters works the same. */
+static void engine_publish(phx_engine *eng)
+{
+	char label[64];
+
+	if (eng->cfg.flags & PHX_ENGINE_UNPUBLISHED)
+		return;
+	snprintf(label, sizeof(label), "engine %s, queue depth %u", eng->be->name,
+		 eng->cfg.queue_depth);
+	stats_add_struct("engine", label, engine_stat_fields,
+			 sizeof(engine_stat_fields) / sizeof(engine_stat_fields[0]),
+			 engine_stats_fill, eng, &eng->pub);
+}
+
 /* Public entry points that make system calls leave errno as they found it. */
 PHX_EXPORT int phx_engine_create(const struct phx_engine_config *cfg,
 				 phx_engine **out)
@@ -258,6 +287,7 @@ static int engine_create(const struct phx_engine_config *cfg, phx_engine **out)
 	}
 	if (eng->cfg.flags & PHX_ENGINE_SINGLE_THREAD)
 		eng->owner_tid = gettid();
+	engine_publish(eng);
 	*out = eng;
 	return 0;
 
@@ -298,6 +328,7 @@ PHX_EXPORT int phx_engine_destroy(phx_engine *eng)
 			break;
 	}
 	pthread_mutex_unlock(&eng->lock);
+	phx_stats_source_remove(eng->pub);	/* before the engine goes: its fill reads it */
 	file_close_all(eng);
 	if (eng->efd >= 0)
 		close(eng->efd);

@@ -36,6 +36,8 @@ static const char *const phx_settings[] = {
 	"PHX_CUDA_EARLY_READS", "PHX_CUDA_TRACE", "PHX_CUDA_QUEUE_WAIT_MS",
 	/* nvme.c */
 	"PHX_NVME_QUEUE_DEPTH", "PHX_NVME_QUEUES",
+	/* stats_pub.c */
+	"PHX_STATS", "PHX_STATS_INTERVAL_MS",
 };
 
 /* PHX_ENGINE's values, indexed by enum phx_backend_kind (engine.c). */

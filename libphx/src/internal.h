@@ -258,6 +258,7 @@ struct phx_engine {
 	struct user_buf ubufs[PHX_USER_BUF_SLOTS];
 
 	struct phx_stats st;
+	phx_stats_source *pub;	/* live counters (stats_pub.c), or NULL */
 };
 
 /* env.c */
@@ -378,5 +379,22 @@ static inline uint64_t align_up(uint64_t x, uint64_t a)
 {
 	return align_down(x + a - 1, a);
 }
+
+/*
+ * stats_pub.c: a struct of uint64_t counters published by field name (what
+ * engines and GPU contexts publish; phx.h, "Live counters").  @get fills a
+ * struct of at most STAT_STRUCT_MAX bytes.
+ */
+struct stat_field {
+	const char *name;
+	uint32_t off;
+};
+
+#define STAT_FIELD(type, f) { #f, (uint32_t)offsetof(type, f) }
+#define STAT_STRUCT_MAX 1024u
+
+int stats_add_struct(const char *kind, const char *label, const struct stat_field *fields,
+		     uint32_t n, void (*get)(void *obj, void *st), void *obj,
+		     phx_stats_source **out);
 
 #endif /* PHX_INTERNAL_H */

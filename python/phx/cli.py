@@ -1,4 +1,4 @@
-"""The ``phx`` command line: ``phx info``, ``phx stats``, ``phx tune``, ``phx bench <name>``.
+"""The ``phx`` command line: ``phx info``, ``phx stats``, ``phx top``, ``phx tune``, ``phx bench <name>``.
 
 Each benchmark lives in its own module under :mod:`phx.bench` and provides
 ``add_arguments(parser)`` and ``run(args) -> int``; :data:`BENCHMARKS` lists
@@ -54,7 +54,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="a file or directory whose O_DIRECT alignment to report")
     p_info.add_argument("--json", action="store_true", help="print JSON")
 
-    sub.add_parser("stats", help="counters of this process's default engine (mostly for scripts)")
+    from phx import top
+    top.add_stats_arguments(sub.add_parser(
+        "stats", help="counters of the running processes that use phx (--json for scripts)"))
+    top.add_top_arguments(sub.add_parser(
+        "top", help="what running phx processes do, refreshed: GB/s, IOPS, paths, errors"))
 
     p_tune = sub.add_parser("tune", help="measure and cache the GPU staging defaults for a filesystem")
     p_tune.add_argument("path", nargs="?", default=".", type=_existing_dir,
@@ -134,10 +138,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from phx.tune import main as tune_main
         return tune_main(args)
     if args.command == "stats":
-        import json
-        import phx
-        print(json.dumps(phx.stats(), indent=2))
-        return 0
+        from phx.top import stats_main
+        return stats_main(args)
+    if args.command == "top":
+        from phx.top import top_main
+        return top_main(args)
     if args.command == "bench":
         return int(importlib.import_module(args._bench_module).run(args) or 0)
     return 2

@@ -99,6 +99,7 @@ PF_EXPORT int phxFileBufRegister(const void *addr, size_t len)
 
 	if (!addr || !len || nb.base + len < nb.base)
 		return pf_submit_fail(d, -EINVAL, NULL, "phxFileBufRegister (NULL or empty range)");
+	pf_publish();
 	pthread_mutex_lock(&d->setup);
 	ret = pf_get_setup(d);
 	if (!ret) {

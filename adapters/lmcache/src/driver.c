@@ -12,6 +12,7 @@
  * stays), so that no handle ever points at freed state.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -250,11 +251,59 @@ static void shutdown_setup(struct pf_driver *d)
 	d->path = PHXFILE_PATH_NONE;
 }
 
+/*
+ * Live counters (`phx top`): phxFileGetStats's, published once per process
+ * for its whole life (the driver is process-wide).  Added before any setup
+ * lock is taken: libphx's publishing thread calls the fill function, which
+ * takes d->setup, with its own lock held.
+ */
+static const char *const pf_stat_names[] = {
+	"path", "driver_opens", "reads", "writes", "bytes_read", "bytes_written",
+	"failures", "submit_errors", "unregistered_ops", "direct_ops", "staging_ops",
+	"direct_fallbacks", "buffers", "handles", "inflight", "last_error",
+	"staging_errors", "staging_chunks", "h2d_bytes", "d2h_bytes", "pinned_bytes",
+	"early_reads", "early_misses", "bad_refusals", "bad_marks",
+};
+
+static void pf_stats_fill(void *unused, uint64_t *vals, uint32_t n)
+{
+	struct phxfile_stats st = { .size = sizeof(st) };
+
+	if (phxFileGetStats(&st))
+		return;
+	vals[0] = st.path;
+	/* the uint64_t fields from driver_opens on, in pf_stat_names' order */
+	memcpy(&vals[1], &st.driver_opens, (n - 1) * sizeof(uint64_t));
+}
+
+_Static_assert(offsetof(struct phxfile_stats, bad_marks) ==
+	       offsetof(struct phxfile_stats, driver_opens) +
+	       (sizeof(pf_stat_names) / sizeof(pf_stat_names[0]) - 2) * sizeof(uint64_t),
+	       "pf_stat_names must follow struct phxfile_stats");
+
+static void pf_publish_once(void)
+{
+	phx_stats_source *src;
+
+	/* best effort, never removed; PHX_STATS=0 or no room: nothing shown */
+	phx_stats_source_add("phxfile", pf_stat_names,
+			     sizeof(pf_stat_names) / sizeof(pf_stat_names[0]),
+			     "libphxfile (LMCache GDS phx backend)", pf_stats_fill, NULL, &src);
+}
+
+void pf_publish(void)
+{
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+	pthread_once(&once, pf_publish_once);
+}
+
 PF_EXPORT int phxFileDriverOpen(void)
 {
 	struct pf_driver *d = pf_drv();
 	int ret = 0;
 
+	pf_publish();
 	pthread_mutex_lock(&d->setup);
 	if (!d->live)
 		ret = open_setup(d);

@@ -179,6 +179,7 @@ PF_EXPORT int phxFileHandleRegister(void **fh, int fd)
 		handle_free(h);
 		return pf_submit_fail(d, -EBUSY, path, what);
 	}
+	pf_publish();
 	pthread_mutex_lock(&d->setup);
 	ret = pf_get_setup(d);
 	if (!ret) {

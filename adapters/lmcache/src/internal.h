@@ -109,6 +109,8 @@ struct pf_driver {
 
 
 struct pf_driver *pf_drv(void);
+/* Publish phxFileGetStats for `phx top` (once; no setup lock held). */
+void pf_publish(void);
 
 /* driver.c */
 int pf_get_setup(struct pf_driver *d);	/* setup held: open implicitly if needed */

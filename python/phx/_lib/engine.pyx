@@ -216,6 +216,33 @@ def backends() -> list:
     return out
 
 
+def stats_publish() -> None:
+    """Copy every engine's and GPU context's counters into this process's live
+    counters file now (libphx's thread does it every PHX_STATS_INTERVAL_MS):
+    what ``phx stats`` of another process then reads.  OSError when nothing
+    is published (ENOENT) or publication is off (ENOTSUP, with the reason)."""
+    cdef int rc
+    with nogil:
+        rc = phx_stats_publish()
+    if rc < 0:
+        raise OSError(-rc, phx_strerror_last().decode(errors="replace"))
+
+
+def stats_path():
+    """This process's live counters file (``phx stats``, ``phx top``), or None
+    when nothing is published yet or publication is off (``phx info`` says why)."""
+    cdef char buf[4200]
+    cdef int rc = phx_stats_path(buf, sizeof(buf))
+    return buf[:rc].decode() if rc >= 0 else None
+
+
+def stats_path_reason() -> str:
+    """Why :func:`stats_path` is None (empty when it is not)."""
+    cdef char buf[4200]
+    cdef int rc = phx_stats_path(buf, sizeof(buf))
+    return "" if rc >= 0 else phx_strerror_last().decode(errors="replace")
+
+
 cdef class Engine:
     """One io_uring (or thread pool) with its bounce buffers, registered files
     and counters.

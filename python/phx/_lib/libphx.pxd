@@ -98,6 +98,8 @@ cdef extern from "phx.h" nogil:
     int phx_engine_eventfd(phx_engine *eng)
     void phx_engine_stats(phx_engine *eng, phx_stats *st)
     void phx_engine_stats_reset(phx_engine *eng)
+    int phx_stats_publish()
+    int phx_stats_path(char *buf, size_t len)
     int phx_file_check_range(const phx_file *f, uint64_t offset, uint64_t len)
 
     int phx_file_open(phx_engine *eng, const char *path, int flags, mode_t mode,
