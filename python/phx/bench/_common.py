@@ -5,9 +5,10 @@ Benchmarks compare engines side by side in one run; these helpers keep the
 way they are asked, measure and report identical.
 
 The command line (:func:`add_common_arguments`): every bench takes ``--dir``,
-``--repeat``, ``--json``, ``--plot``, ``--quiet`` and, where it makes files,
-``--keep`` (``phx bench nvme`` measures a device, so it has no ``--dir``
-or ``--keep``).  Old spellings (``--path``, ``--repeats``, ``--no-progress``,
+``--repeat``, ``--json``, ``--plot``, ``--quiet`` and, where it makes files it
+could keep, ``--keep`` (``phx bench nvme`` measures a device: no ``--dir`` or
+``--keep``; ``phx bench lmcache`` removes each method's files to make room for
+the next: no ``--keep``).  Old spellings (``--path``, ``--repeats``, ``--no-progress``,
 ``--engines``, ``--configs``) still work, hidden from ``--help``, with a
 one-line note on stderr.  Every value is checked by its ``type=`` function
 while the command line is parsed: a bad one is one line naming the flag
