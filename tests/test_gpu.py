@@ -216,7 +216,7 @@ def test_async_futures_and_batch(big_file):
         futs = [f.pread_async(t, 1000 * i + i) for i, t in enumerate(ts)]
         assert [fu.result() for fu in futs] == [t.numel() for t in ts]
         assert all(fu.done() for fu in futs)
-        assert phx.gpu.pread_batch(f, [(ts[0], 5), (ts[1], 6)]) == [ts[0].numel(), ts[1].numel()]
+        assert phx.gpu.pread_batch([(ts[0], 5), (ts[1], 6)], f) == [ts[0].numel(), ts[1].numel()]
     assert_same(host(ts[0]), data[5:5 + ts[0].numel()])
     assert_same(host(ts[1]), data[6:6 + ts[1].numel()])
     for i, t in enumerate(ts[2:], 2):
@@ -347,7 +347,7 @@ def test_cupy_and_dlpack(big_file):
     a = cp.zeros(3 * MiB + 9, dtype=cp.uint8)
     with phx.open(path, "r") as f:
         assert phx.gpu.is_device_buffer(a)
-        assert phx.gpu.pread(f, a, 17) == a.size
+        assert phx.gpu.pread(a, f, 17) == a.size
         assert_same(cp.asnumpy(a), data[17:17 + a.size], "cupy")
         b = cp.zeros(MiB + 1, dtype=cp.uint8)
         assert phx.gpu.read_async(b, f, 3).result() == b.size
@@ -586,7 +586,7 @@ def test_read_chunks_random_unaligned_many_threads(big_file, copy):
             with phx.open(path, "r", engine=eng) as f:
                 s = torch.cuda.Stream()
                 with torch.cuda.stream(s):
-                    res = phx.gpu.read_chunks(f, t, foffs, boffs, sizes)
+                    res = phx.gpu.read_chunks(t, f, foffs, boffs, sizes)
             assert res == [int(x) for x in sizes]
             checks.append((host(t), foffs, boffs, sizes))
         except Exception as e:  # pragma: no cover - reported below
@@ -629,7 +629,7 @@ def test_write_chunks_random_then_file_compared(data_dir, rng):
     src = torch.from_numpy(rand(rng, int(boffs[-1] + sizes[-1]) + 8)).cuda()
     hs = host(src)
     with phx.open(path, "r+") as f:
-        res = phx.gpu.write_chunks(f, src, foffs, boffs, sizes)
+        res = phx.gpu.write_chunks(src, f, foffs, boffs, sizes)
     assert res == [int(x) for x in sizes]
     for fo, bo, sz in zip(foffs, boffs, sizes):
         want[int(fo):int(fo) + int(sz)] = hs[int(bo):int(bo) + int(sz)]
@@ -640,7 +640,7 @@ def test_pread_batch_one_submission(big_file):
     path, data = big_file
     ts = [gpu_poison(64 * KiB + i) for i in range(50)]
     with phx.open(path, "r") as f:
-        res = phx.gpu.pread_batch(f, [(t, 4096 * i + i) for i, t in enumerate(ts)])
+        res = phx.gpu.pread_batch([(t, 4096 * i + i) for i, t in enumerate(ts)], f)
     assert res == [t.numel() for t in ts]
     for i, t in enumerate(ts):
         assert_same(host(t), data[4096 * i + i:4096 * i + i + t.numel()])
@@ -680,7 +680,7 @@ def test_two_handles_and_gpu_write_disjoint_bytes_of_same_blocks(data_dir, rng):
             with phx.open(path, "r+") as f:
                 lo = np.array([b * 4096 + int(cuts[b, 1]) for b in range(nblocks)])
                 sz = np.full(nblocks, 4096) - cuts[:, 1]
-                assert phx.gpu.write_chunks(f, g, lo, lo, sz) == [int(x) for x in sz]
+                assert phx.gpu.write_chunks(g, f, lo, lo, sz) == [int(x) for x in sz]
         except Exception as e:  # pragma: no cover
             errors.append(e)
 

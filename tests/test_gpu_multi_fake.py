@@ -114,7 +114,7 @@ MULTI = textwrap.dedent(r"""
                     # one synchronous read of an unaligned range
                     n = int(r.integers(1, 2 << 20))
                     fo = int(r.integers(0, len(data) - n))
-                    got = phx.gpu.pread(f, b.head(n), fo)
+                    got = phx.gpu.pread(b.head(n), f, fo)
                     assert got == n, (dev, t, k, got, n)
                     assert (h[:n] == data[fo:fo + n]).all(), (dev, t, k)
                     assert not h[n:].any(), (dev, t, k)
@@ -124,7 +124,7 @@ MULTI = textwrap.dedent(r"""
                     foffs = r.integers(0, len(data) - 70000, CHUNKS)
                     boffs = np.cumsum(np.concatenate([[int(r.integers(0, 4096))],
                                                       sizes[:-1] + 1]))
-                    res = phx.gpu.read_chunks(f, b, foffs, boffs, sizes)
+                    res = phx.gpu.read_chunks(b, f, foffs, boffs, sizes)
                     assert res == [int(s) for s in sizes], (dev, t, k)
                     written = np.zeros(b.n, dtype=bool)
                     for o, s, fo in zip(boffs, sizes, foffs):

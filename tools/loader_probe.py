@@ -49,7 +49,7 @@ def child(kind: str, d: str, arg: str) -> dict:
         futs = []
         for f, b, s in zip(files, bufs, sizes):
             offs = list(range(0, s, step))
-            futs.append(phx.gpu.read_chunks_async(f, b, offs, offs,
+            futs.append(phx.gpu.read_chunks_async(b, f, offs, offs,
                                                   [min(step, s - o) for o in offs]))
         n = sum(sum(fu.result()) for fu in futs)
         out.update(seconds=time.perf_counter() - t1, bytes=n)

@@ -271,6 +271,16 @@ struct phx_io {
 void phx_io_prep(struct phx_io *io, phx_file *f, enum phx_op op, void *buf,
 		 size_t len, uint64_t offset);
 
+/* The bytes a request moved, by path (PHX_0.6; PHX_PATH_* says which carried any). */
+struct phx_io_bytes {
+	uint64_t direct;	/* O_DIRECT between the file and the caller's memory */
+	uint64_t bounce;	/* O_DIRECT through the engine's bounce buffers */
+	uint64_t buffered;	/* through the page cache */
+};
+
+/* Fill @out for @io, complete (all zero before it completes). */
+void phx_io_bytes_by_path(const struct phx_io *io, struct phx_io_bytes *out);
+
 /*
  * Synchronous read/write: returns the bytes moved or -errno.  A read that
  * reaches end of file returns the short count (0 at or past it).

@@ -254,6 +254,14 @@ int phx_cuda_submit_after(phx_cuda *cu, struct phx_cuda_io *const *ios,
 /* Wait for @io (timeout_ns < 0: forever); 0, or -ETIME. */
 int phx_cuda_wait(phx_cuda *cu, struct phx_cuda_io *io, int64_t timeout_ns);
 
+/*
+ * An eventfd (PHX_0.7) that becomes readable whenever a request of @cu may
+ * have completed (->done set): read it to reset, then look at ->done.  For
+ * event loops and completion callbacks (phx.futures); made on the first
+ * call, owned by the context.  Returns the fd or -errno.
+ */
+int phx_cuda_eventfd(phx_cuda *cu);
+
 /* Submit @n requests and wait for all; 0 (see each ->result) or -errno. */
 int phx_cuda_submit_wait(phx_cuda *cu, struct phx_cuda_io *ios, size_t n);
 

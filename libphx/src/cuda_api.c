@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 
 #include "cuda_internal.h"
 
@@ -145,6 +146,20 @@ CU_EXPORT int phx_cuda_submit_after(phx_cuda *c, struct phx_cuda_io *const *ios,
 				    size_t n, void *stream)
 {
 	return submit_host(c, ios, n, true, stream);
+}
+
+CU_EXPORT int phx_cuda_eventfd(phx_cuda *c)
+{
+	int fd;
+
+	if (!c)
+		return cu_err(-EINVAL, "phx_cuda_eventfd: NULL context");
+	pthread_mutex_lock(&c->done_lock);
+	if (c->done_efd < 0)
+		c->done_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	fd = c->done_efd >= 0 ? c->done_efd : cu_err(-errno, "eventfd");
+	pthread_mutex_unlock(&c->done_lock);
+	return fd;
 }
 
 CU_EXPORT int phx_cuda_wait(phx_cuda *c, struct phx_cuda_io *io, int64_t timeout_ns)

@@ -561,7 +561,7 @@ CU_EXPORT int phx_cuda_create(phx_engine *eng, const struct phx_cuda_config *cfg
 	}
 	c->d = d;
 	c->stage_node = -1;
-	c->poller_efd = c->copier_efd = -1;
+	c->poller_efd = c->copier_efd = c->done_efd = -1;
 	c->trace = phx_env_u32("PHX_CUDA_TRACE", 0) != 0;
 	c->queue_wait_ms = phx_env_u32("PHX_CUDA_QUEUE_WAIT_MS", 30000);
 	c->eng = eng;
@@ -707,6 +707,8 @@ CU_EXPORT int phx_cuda_destroy(phx_cuda *c)
 	}
 	if (c->poller_efd >= 0)
 		close(c->poller_efd);
+	if (c->done_efd >= 0)
+		close(c->done_efd);
 	if (c->copier_efd >= 0)
 		close(c->copier_efd);
 	free(c->ev_free);

@@ -590,6 +590,7 @@ struct phx_cuda {
 	pthread_mutex_t done_lock;
 	pthread_cond_t done_cond;
 	uint64_t live;			/* requests not finished (done_lock) */
+	int done_efd;			/* phx_cuda_eventfd(), or -1 (done_lock) */
 
 	struct phx_cuda_stats st;
 	phx_stats_source *pub;		/* live counters (stats_pub.c), or NULL */

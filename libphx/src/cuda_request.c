@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/utsname.h>
@@ -561,8 +562,11 @@ void after_put(phx_cuda *c, struct cu_after *a)
 static void live_dec(phx_cuda *c, struct phx_cuda_io *io)
 {
 	pthread_mutex_lock(&c->done_lock);
-	if (io)
+	if (io) {
 		__atomic_store_n(&io->done, 1, __ATOMIC_RELEASE);
+		if (c->done_efd >= 0)
+			eventfd_write(c->done_efd, 1);
+	}
 	c->live--;
 	pthread_cond_broadcast(&c->done_cond);
 	pthread_mutex_unlock(&c->done_lock);

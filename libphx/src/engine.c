@@ -544,6 +544,18 @@ PHX_EXPORT void phx_io_prep(struct phx_io *io, phx_file *f, enum phx_op op,
 	io->offset = offset;
 }
 
+PHX_EXPORT void phx_io_bytes_by_path(const struct phx_io *io, struct phx_io_bytes *out)
+{
+	const struct io_priv *p = (const struct io_priv *)io->priv;
+
+	memset(out, 0, sizeof(*out));
+	if (!__atomic_load_n(&io->done, __ATOMIC_ACQUIRE))
+		return;
+	out->direct = p->bytes[IOP_DIRECT];
+	out->bounce = p->bytes[IOP_BOUNCE];
+	out->buffered = p->bytes[IOP_BUFFERED];
+}
+
 /*
  * Start @n requests.  A request that is invalid on its own completes at
  * once with -errno in its result; the others go ahead.

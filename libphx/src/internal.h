@@ -31,6 +31,9 @@
 /* How soon a write waiting on another engine's claim is retried. */
 #define PHX_TICK_NS 100000
 
+/* The paths a request's bytes take, as counted per request (io_priv.bytes). */
+enum io_path { IOP_DIRECT, IOP_BOUNCE, IOP_BUFFERED };
+
 /* How a request is cut into chunks (decided once, at submission). */
 enum io_mode {
 	MODE_DIRECT,	/* everything aligned: direct chunks only */
@@ -103,6 +106,7 @@ struct io_priv {
 	uint64_t mid0, mid1;	/* MODE_SPLIT: the direct middle [mid0, mid1) */
 	uint64_t eof;		/* lowest end of file seen, or UINT64_MAX */
 	int64_t err;		/* first error, or 0 */
+	uint64_t bytes[3];	/* moved by path (enum io_path): phx_io_bytes_by_path() */
 	uint32_t chunks;	/* chunks in flight */
 	uint8_t mode;		/* enum io_mode */
 	uint8_t async;		/* submitted with phx_submit() */

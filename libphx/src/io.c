@@ -429,6 +429,18 @@ static uint64_t bounce_copy_out(struct chunk *c)
 	return end - c->user_off;
 }
 
+/* @moved bytes of a request went by @path: its own count and the engine's. */
+static void path_add(phx_engine *eng, struct io_priv *p, enum io_path path, uint64_t moved)
+{
+	p->bytes[path] += moved;
+	if (path == IOP_DIRECT)
+		eng->st.direct_bytes += moved;
+	else if (path == IOP_BOUNCE)
+		eng->st.bounce_bytes += moved;
+	else
+		eng->st.buffered_bytes += moved;
+}
+
 /* A chunk's device op is over (complete, at EOF, or failed). */
 static void chunk_done(phx_engine *eng, struct chunk *c)
 {
@@ -442,30 +454,26 @@ static void chunk_done(phx_engine *eng, struct chunk *c)
 			moved = bounce_copy_out(c);
 			if (c->done < c->dev_len)
 				note_eof(p, c->dev_off + c->done);
-			eng->st.bounce_bytes += moved;
+			path_add(eng, p, IOP_BOUNCE, moved);
 			break;
 		case CH_BOUNCE_WRITE:
 			moved = c->user_len;
-			eng->st.bounce_bytes += moved;
+			path_add(eng, p, IOP_BOUNCE, moved);
 			break;
 		case CH_PC_WRITE:
 		case CH_PC_SYNC:
 		case CH_PC_DROP:
 			moved = c->user_len;
-			eng->st.buffered_bytes += moved;
+			path_add(eng, p, IOP_BUFFERED, moved);
 			break;
 		default:
 			moved = c->done;
 			if (c->op == PHX_OP_READ && c->done < c->dev_len)
 				note_eof(p, c->dev_off + c->done);
-			if (c->kind == CH_DIRECT)
-				eng->st.direct_bytes += moved;
-			else
-				eng->st.buffered_bytes += moved;
+			path_add(eng, p, c->kind == CH_DIRECT ? IOP_DIRECT : IOP_BUFFERED, moved);
 			break;
 		}
 	}
-	(void)moved;
 	p->chunks--;
 	chunk_release(eng, c);
 	if (!p->chunks && !p->queued)

@@ -19,9 +19,14 @@ from phx._lib.engine import (AlignedBuffer, BufferNotContiguousError,
                              BufferReadOnlyError, ClosedFileError, Engine, File,
                              Future, __version__, empty_aligned, is_device_buffer)
 
+from phx.futures import PhxFuture
+
+# the compiled host future follows the one protocol (phx.futures)
+PhxFuture.register(Future)
+
 __all__ = [
     "AlignedBuffer", "BufferNotContiguousError", "BufferReadOnlyError",
-    "ClosedFileError", "Engine", "File", "Future", "__version__",
+    "ClosedFileError", "Engine", "File", "Future", "PhxFuture", "__version__",
     "default_engine", "empty_aligned", "info", "is_device_buffer", "open", "stats",
 ]
 

@@ -71,10 +71,14 @@ except ImportError as e:  # built without the GPU module
 
 try:
     from phx._lib.engine import BufferNotContiguousError, BufferReadOnlyError
+    from phx._lib.engine import File as _File
     from phx._lib.engine import is_device_buffer as _is_device_buffer
 except ImportError:  # the core is missing: only is_available() is useful
     BufferNotContiguousError = BufferReadOnlyError = ValueError  # type: ignore
+    _File = None  # type: ignore
     _is_device_buffer = None
+
+from phx.futures import PATHS, PhxFuture, empty_paths
 
 _avail: tuple[bool, str] | None = None
 _lock = threading.Lock()
@@ -300,8 +304,9 @@ def _ctx_for(file, view: _View):
 # Futures
 # ---------------------------------------------------------------------------
 
-class GPUFuture:
-    """Completion of a host-async GPU request: ``result()`` and ``done()``."""
+class GPUFuture(PhxFuture):
+    """A host-async GPU request (:class:`phx.PhxFuture`): ``result()`` is the
+    byte count (short at end of file)."""
 
     __slots__ = ("_h", "_res")
 
@@ -318,15 +323,24 @@ class GPUFuture:
             self._res = self._h.wait(timeout)
         return self._h.check(self._res)
 
+    def bytes_by_path(self) -> dict[str, int]:
+        if not self._h.done():
+            return empty_paths()
+        return {k: self._h.by_path[k] for k in PATHS}
+
     def by_path(self) -> dict:
-        """Bytes moved by path (direct / bounce / page_cache) once done."""
+        """Deprecated: :meth:`bytes_by_path` (the same counts, without ``paths``)."""
+        _deprecated("GPUFuture.by_path()", "bytes_by_path()")
         return self._h.by_path
 
+    def _wake_fd(self) -> int | None:
+        return self._h.eventfd()
 
-class StreamOp:
-    """A stream-ordered request.  ``bytes_done`` is valid once the stream has
-    passed it (e.g. after ``stream.synchronize()``); ``result()`` waits on the
-    host side and returns it, raising on error."""
+
+class StreamOp(PhxFuture):
+    """A stream-ordered request (:class:`phx.PhxFuture`).  ``bytes_done`` is
+    valid once the stream has passed it (e.g. after ``stream.synchronize()``);
+    ``result()`` waits on the host side and returns it, raising on error."""
 
     __slots__ = ("_h",)
 
@@ -343,8 +357,47 @@ class StreamOp:
     def result(self, timeout: float | None = None) -> int:
         return self._h.check(self._h.wait(timeout))
 
+    def bytes_by_path(self) -> dict[str, int]:
+        if not self._h.done():
+            return empty_paths()
+        return {k: self._h.by_path[k] for k in PATHS}
+
     def by_path(self) -> dict:
+        """Deprecated: :meth:`bytes_by_path`."""
+        _deprecated("StreamOp.by_path()", "bytes_by_path()")
         return self._h.by_path
+
+    def _wake_fd(self) -> int | None:
+        return self._h.eventfd()
+
+
+def _deprecated(old: str, new: str) -> None:
+    import warnings
+    warnings.warn(f"phx.gpu: {old} is deprecated; use {new} (removed in the next release)",
+                  DeprecationWarning, stacklevel=3)
+
+
+def _buffer_first(name: str, reqs: bool = False):
+    """Calls take ``(buffer, file, offset)``, like every phx call; the old
+    ``(file, buffer, offset)`` order still works for one release, with a
+    DeprecationWarning (told apart by the first argument being a phx File)."""
+    def wrap(fn):
+        def call(first, second, *args, **kw):
+            if _is_file(first) and not _is_file(second):
+                _deprecated(f"{name}(file, {'reqs' if reqs else 'buf'}, ...)",
+                            f"{name}({'reqs' if reqs else 'buf'}, file, ...)")
+                first, second = second, first
+            return fn(first, second, *args, **kw)
+        call.__name__ = fn.__name__
+        call.__qualname__ = fn.__qualname__
+        call.__doc__ = fn.__doc__
+        call.__wrapped__ = fn  # type: ignore[attr-defined]
+        return call
+    return wrap
+
+
+def _is_file(obj: Any) -> bool:
+    return _File is not None and isinstance(obj, _File)
 
 
 _pending_lock = threading.Lock()
@@ -383,26 +436,33 @@ def _submit(file, buf, offset, write, stream_mode, stream=None):
 # The calls File routes here
 # ---------------------------------------------------------------------------
 
-def pread(file, buf, offset: int = 0) -> int:
+@_buffer_first("pread")
+def pread(buf, file, offset: int = 0) -> int:
     """Read ``buf``'s size at ``offset`` into GPU memory; bytes read (short at EOF)."""
     return GPUFuture(_submit(file, buf, offset, False, False)).result()
 
 
-def pwrite(file, buf, offset: int = 0) -> int:
+@_buffer_first("pwrite")
+def pwrite(buf, file, offset: int = 0) -> int:
     """Write the GPU buffer at ``offset``; bytes written."""
     return GPUFuture(_submit(file, buf, offset, True, False)).result()
 
 
-def pread_async(file, buf, offset: int = 0) -> GPUFuture:
+@_buffer_first("pread_async")
+def pread_async(buf, file, offset: int = 0) -> GPUFuture:
+    """:func:`pread` started: a :class:`GPUFuture`."""
     return GPUFuture(_submit(file, buf, offset, False, False))
 
 
-def pwrite_async(file, buf, offset: int = 0) -> GPUFuture:
+@_buffer_first("pwrite_async")
+def pwrite_async(buf, file, offset: int = 0) -> GPUFuture:
+    """:func:`pwrite` started: a :class:`GPUFuture`."""
     return GPUFuture(_submit(file, buf, offset, True, False))
 
 
-class GPUBatch:
-    """Completion of a batch: ``result()`` (bytes per request) and ``done()``."""
+class GPUBatch(PhxFuture):
+    """A batch (:class:`phx.PhxFuture`): ``result()`` is the bytes moved by
+    each request, in order; ``bytes_by_path()`` sums them."""
 
     __slots__ = ("_b", "_res")
 
@@ -418,6 +478,12 @@ class GPUBatch:
         if self._res is None:
             self._res = self._b.wait(timeout)
         return self._b.check(self._res)
+
+    def bytes_by_path(self) -> dict[str, int]:
+        return self._b.by_path if self._b.done() else empty_paths()
+
+    def _wake_fd(self) -> int | None:
+        return self._b.eventfd()
 
 
 def _batch(file, views, offsets, write: bool) -> GPUBatch:
@@ -441,6 +507,8 @@ def _batch(file, views, offsets, write: bool) -> GPUBatch:
 
 
 class _EmptyBatch:
+    by_path = {"direct": 0, "bounce": 0, "page_cache": 0}
+
     def done(self):
         return True
 
@@ -450,23 +518,32 @@ class _EmptyBatch:
     def check(self, res):
         return res
 
+    def eventfd(self):
+        return None
 
-def pread_batch(file, reqs) -> list[int]:
+
+@_buffer_first("pread_batch", reqs=True)
+def pread_batch(reqs, file) -> list[int]:
     """Read ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
-    return pread_batch_async(file, reqs).result()
+    return pread_batch_async(reqs, file).result()
 
 
-def pwrite_batch(file, reqs) -> list[int]:
+@_buffer_first("pwrite_batch", reqs=True)
+def pwrite_batch(reqs, file) -> list[int]:
     """Write ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
-    return pwrite_batch_async(file, reqs).result()
+    return pwrite_batch_async(reqs, file).result()
 
 
-def pread_batch_async(file, reqs) -> GPUBatch:
+@_buffer_first("pread_batch_async", reqs=True)
+def pread_batch_async(reqs, file) -> GPUBatch:
+    """:func:`pread_batch` started: a :class:`GPUBatch`."""
     path = getattr(file, "path", None)
     return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], False)
 
 
-def pwrite_batch_async(file, reqs) -> GPUBatch:
+@_buffer_first("pwrite_batch_async", reqs=True)
+def pwrite_batch_async(reqs, file) -> GPUBatch:
+    """:func:`pwrite_batch` started: a :class:`GPUBatch`."""
     path = getattr(file, "path", None)
     return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], True)
 
@@ -494,26 +571,30 @@ def _chunks(file, buf, file_offsets, buf_offsets, sizes, write: bool) -> GPUBatc
                                      after_stream=_stream_handle(None, view)))
 
 
-def read_chunks_async(file, buf, file_offsets, buf_offsets, sizes) -> GPUBatch:
+@_buffer_first("read_chunks_async")
+def read_chunks_async(buf, file, file_offsets, buf_offsets, sizes) -> GPUBatch:
     """Read ``sizes[i]`` bytes at ``file_offsets[i]`` into ``buf`` at byte
     ``buf_offsets[i]``, for every i, with one submission."""
     return _chunks(file, buf, file_offsets, buf_offsets, sizes, False)
 
 
-def write_chunks_async(file, buf, file_offsets, buf_offsets, sizes) -> GPUBatch:
+@_buffer_first("write_chunks_async")
+def write_chunks_async(buf, file, file_offsets, buf_offsets, sizes) -> GPUBatch:
     """Write ``sizes[i]`` bytes of ``buf`` at byte ``buf_offsets[i]`` to
     ``file_offsets[i]``, for every i, with one submission."""
     return _chunks(file, buf, file_offsets, buf_offsets, sizes, True)
 
 
-def read_chunks(file, buf, file_offsets, buf_offsets, sizes) -> list[int]:
+@_buffer_first("read_chunks")
+def read_chunks(buf, file, file_offsets, buf_offsets, sizes) -> list[int]:
     """:func:`read_chunks_async`, waited for: bytes per chunk (short at EOF)."""
-    return read_chunks_async(file, buf, file_offsets, buf_offsets, sizes).result()
+    return read_chunks_async(buf, file, file_offsets, buf_offsets, sizes).result()
 
 
-def write_chunks(file, buf, file_offsets, buf_offsets, sizes) -> list[int]:
+@_buffer_first("write_chunks")
+def write_chunks(buf, file, file_offsets, buf_offsets, sizes) -> list[int]:
     """:func:`write_chunks_async`, waited for: bytes per chunk."""
-    return write_chunks_async(file, buf, file_offsets, buf_offsets, sizes).result()
+    return write_chunks_async(buf, file, file_offsets, buf_offsets, sizes).result()
 
 
 # ---------------------------------------------------------------------------

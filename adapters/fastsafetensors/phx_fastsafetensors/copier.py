@@ -149,7 +149,7 @@ class PhxCopier(CopierInterface):
                 handle = _host_pool().submit(f.pread_many, host, pieces[:, 0], pieces[:, 2],
                                              pieces[:, 1])
             else:
-                handle = phx.gpu.read_chunks_async(f, _DeviceMemory(addr, length),
+                handle = phx.gpu.read_chunks_async(_DeviceMemory(addr, length), f,
                                                    pieces[:, 0], pieces[:, 1], pieces[:, 2])
         except BaseException:
             f.close()

@@ -106,6 +106,7 @@ cdef extern from "phx_cuda.h" nogil:
     int phx_cuda_submit(phx_cuda *cu, phx_cuda_io **ios, size_t n)
     int phx_cuda_submit_after(phx_cuda *cu, phx_cuda_io **ios, size_t n, void *stream)
     int phx_cuda_wait(phx_cuda *cu, phx_cuda_io *io, int64_t timeout_ns)
+    int phx_cuda_eventfd(phx_cuda *cu)
     int phx_cuda_submit_stream(phx_cuda *cu, phx_cuda_io *io, void *stream)
     int phx_cuda_read_async(phx_cuda *cu, phx_file *f, uint64_t devptr_base,
                             const size_t *size, const int64_t *file_offset,

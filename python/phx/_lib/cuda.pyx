@@ -179,6 +179,10 @@ cdef class IO:
         return {"direct": self.io.direct_bytes, "bounce": self.io.bounce_bytes,
                 "page_cache": self.io.buffered_bytes, "paths": self.io.paths}
 
+    def eventfd(self) -> int:
+        """The context's completion eventfd (phx_cuda_eventfd)."""
+        return _ctx_eventfd(self.ctx)
+
     def check(self, int64_t res):
         """``res`` as a byte count, or raise its OSError."""
         if res < 0:
@@ -235,12 +239,34 @@ cdef class Batch:
         self.keep = None
         return [self.ios[i].result for i in range(self.n)]
 
+    @property
+    def by_path(self) -> dict:
+        """Bytes moved by path, summed over the requests."""
+        cdef size_t i
+        cdef uint64_t d = 0, b = 0, c = 0
+        for i in range(self.n):
+            d += self.ios[i].direct_bytes
+            b += self.ios[i].bounce_bytes
+            c += self.ios[i].buffered_bytes
+        return {"direct": d, "bounce": b, "page_cache": c}
+
+    def eventfd(self) -> int:
+        """The context's completion eventfd (phx_cuda_eventfd)."""
+        return _ctx_eventfd(self.ctx)
+
     def check(self, list res) -> list:
         """``res`` as byte counts, or raise the first request's OSError."""
         for r in res:
             if r < 0:
                 raise _err(<int>r, self.path)
         return res
+
+
+cdef int _ctx_eventfd(Context ctx) except -1:
+    cdef int fd = phx_cuda_eventfd(ctx.cu)
+    if fd < 0:
+        raise _err(fd, None)
+    return fd
 
 
 cdef class Context:

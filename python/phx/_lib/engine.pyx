@@ -538,19 +538,41 @@ cdef class Future:
         return self.io.result
 
     def exception(self, timeout=None):
-        """The request's exception, or None."""
+        """The request's exception, or None (TimeoutError when not done in time)."""
         try:
             self.result(timeout)
         except TimeoutError:
             raise
-        except OSError as e:
+        except Exception as e:
             return e
         return None
 
     @property
     def paths(self) -> set:
-        """Which paths moved the bytes ('direct', 'bounce', 'buffered'); empty until done."""
+        """Which paths moved the bytes ('direct', 'bounce', 'buffered'); empty
+        until done.  Deprecated: :meth:`bytes_by_path` has the byte counts, with
+        the names every phx future uses."""
         return _paths(self.io.paths) if self.io.done else set()
+
+    def bytes_by_path(self) -> dict:
+        """Bytes moved by path once done: ``{"direct", "bounce", "page_cache"}``
+        (:data:`phx.futures.PATHS`); zeros before."""
+        cdef phx_io_bytes b
+        phx_io_bytes_by_path(self.io, &b)
+        return {"direct": b.direct, "bounce": b.bounce, "page_cache": b.buffered}
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once done (now, if it already is); see :mod:`phx.futures`."""
+        from phx import futures
+        futures.add_done_callback(self, fn)
+
+    def _wake_fd(self):
+        """The engine's eventfd: the completion thread sleeps on it."""
+        return self.file.engine.eventfd
+
+    def __await__(self):
+        from phx import futures
+        return futures.wait_async(self).__await__()
 
     def __repr__(self):
         state = f"done result={self.io.result}" if self.io.done else "pending"
@@ -727,14 +749,14 @@ cdef class File:
         """
         offset = self._check(False, offset)
         if is_device_buffer(buf):
-            return self._device().pread(self, buf, offset)
+            return self._device().pread(buf, self, offset)
         return self._sync(False, buf, offset)
 
     def pwrite(self, buf, offset=0) -> int:
         """Write all of ``buf`` at ``offset``; returns the bytes written."""
         offset = self._check(True, offset)
         if is_device_buffer(buf):
-            return self._device().pwrite(self, buf, offset)
+            return self._device().pwrite(buf, self, offset)
         return self._sync(True, buf, offset)
 
     cdef Future _submit(self, bint write, buf, uint64_t offset):
@@ -769,14 +791,14 @@ cdef class File:
         """Start a read; returns a :class:`Future` whose ``result()`` is the byte count."""
         offset = self._check(False, offset)
         if is_device_buffer(buf):
-            return self._device().pread_async(self, buf, offset)
+            return self._device().pread_async(buf, self, offset)
         return self._submit(False, buf, offset)
 
     def pwrite_async(self, buf, offset=0):
         """Start a write; returns a :class:`Future`."""
         offset = self._check(True, offset)
         if is_device_buffer(buf):
-            return self._device().pwrite_async(self, buf, offset)
+            return self._device().pwrite_async(buf, self, offset)
         return self._submit(True, buf, offset)
 
     cdef list _batch(self, bint write, reqs):
@@ -916,14 +938,14 @@ cdef class File:
         """
         reqs = list(reqs)
         if reqs and is_device_buffer(reqs[0][0]):
-            return self._device().pread_batch(self, reqs)
+            return self._device().pread_batch(reqs, self)
         return self._batch(False, reqs)
 
     def pwrite_batch(self, reqs) -> list:
         """Write a list of ``(buffer, offset)`` pairs in one submission."""
         reqs = list(reqs)
         if reqs and is_device_buffer(reqs[0][0]):
-            return self._device().pwrite_batch(self, reqs)
+            return self._device().pwrite_batch(reqs, self)
         return self._batch(True, reqs)
 
     def close(self) -> None:

@@ -113,6 +113,11 @@ cdef extern from "phx.h" nogil:
 
     void phx_io_prep(phx_io *io, phx_file *f, phx_op op, void *buf, size_t len,
                      uint64_t offset)
+    cdef struct phx_io_bytes:
+        uint64_t direct
+        uint64_t bounce
+        uint64_t buffered
+    void phx_io_bytes_by_path(const phx_io *io, phx_io_bytes *out)
     int64_t phx_pread(phx_file *f, void *buf, size_t len, uint64_t offset)
     int64_t phx_pwrite(phx_file *f, const void *buf, size_t len, uint64_t offset)
     int phx_submit_wait(phx_engine *eng, phx_io *ios, size_t n)

@@ -259,7 +259,7 @@ def phx_batch(path: str, gpu, pat: _g.Pattern, write: bool, eng: Any) -> tuple[f
     with phx.open(path, "r+" if write else "r", engine=eng) as f:
         t0 = time.perf_counter()
         call = phx.gpu.write_chunks if write else phx.gpu.read_chunks
-        got = call(f, gpu, pat.foffs, pat.boffs, pat.sizes)
+        got = call(gpu, f, pat.foffs, pat.boffs, pat.sizes)
         if write:
             f.fsync()
         dt = time.perf_counter() - t0

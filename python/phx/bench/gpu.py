@@ -354,9 +354,9 @@ def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict) -> float:
         if pat.name == "seq":
             n = [f.pwrite(gpu[:pat.total], 0) if write else f.pread(gpu[:pat.total], 0)]
         elif write:
-            n = phx.gpu.write_chunks(f, gpu, pat.foffs, pat.boffs, pat.sizes)
+            n = phx.gpu.write_chunks(gpu, f, pat.foffs, pat.boffs, pat.sizes)
         else:
-            n = phx.gpu.read_chunks(f, gpu, pat.foffs, pat.boffs, pat.sizes)
+            n = phx.gpu.read_chunks(gpu, f, pat.foffs, pat.boffs, pat.sizes)
         if write:
             f.fsync()
     dt = time.perf_counter() - t0

@@ -25,11 +25,12 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 
+from phx.futures import PoolFuture
 from phx.kv import _sys
 from phx.kv.slab import Extent, ExtentAllocator
 
@@ -143,7 +144,7 @@ class NvmeBackend:
             raise OSError(errno.EIO, f"short NVMe transfer: {got} of {want} bytes at {offset}",
                           self.path)
 
-    def write_async(self, buf, offset: int) -> Future:
+    def write_async(self, buf, offset: int) -> PoolFuture:
         """Start :meth:`write` on a worker thread; ``result()`` is the byte count."""
         with self._pool_lock:
             if self._pool is None:
@@ -154,7 +155,7 @@ class NvmeBackend:
         def job():
             self.write(buf, offset)
             return n
-        return self._pool.submit(job)
+        return PoolFuture(self._pool.submit(job), "direct")
 
     def read_batch(self, items) -> None:
         """``[(buf, offset), ...]``: aligned ones in one submission, others one by one."""

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
+from phx.futures import DoneFuture, PhxFuture
 from phx.kv import _sys
 
 
@@ -283,7 +284,7 @@ class SlabBackend(_FileBackendBase):
                 pass
 
 
-class _CheckedFuture:
+class _CheckedFuture(PhxFuture):
     """A phx future whose result must be the whole request."""
 
     def __init__(self, fut, want: int, offset: int, path: str):
@@ -299,18 +300,16 @@ class _CheckedFuture:
                           f"{self._off}", self._path)
         return n
 
+    def bytes_by_path(self) -> dict[str, int]:
+        return self._fut.bytes_by_path()
 
-class Done:
+    def _wake_fd(self) -> int | None:
+        return self._fut._wake_fd()
+
+
+def Done(n: int, path: str = "page_cache") -> DoneFuture:
     """An already-finished write (the page-cache path copies synchronously)."""
-
-    def __init__(self, n: int):
-        self._n = n
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> int:
-        return self._n
+    return DoneFuture(n, path)
 
 
 #: the smallest page-cache write that ``write_behind`` starts the writeback of:
@@ -440,7 +439,7 @@ class PageCacheBackend(_FileBackendBase):
         """``sync_file_range`` calls that failed (nothing is lost: see _WriteBehind)."""
         return self._behind.errors if self._behind is not None else 0
 
-    def write_async(self, buf, offset: int) -> Done:
+    def write_async(self, buf, offset: int) -> DoneFuture:
         """Buffered writes are a copy into the page cache: done on return."""
         self.write(buf, offset)
         return Done(memoryview(buf).nbytes)

@@ -501,7 +501,8 @@ class KVStore:
         g = gpu_view(src)
         if g is not None:
             # the relay is this thread's until the bytes are stored: done on return
-            return Done(self._write_gpu(t, start, g) * t.row_bytes)
+            n = self._write_gpu(t, start, g) * t.row_bytes
+            return Done(n, "page_cache" if t.group == PAGECACHE else "direct")
         view = _byte_view(src, writable=False)
         if view.nbytes % t.row_bytes:
             raise ValueError(f"{view.nbytes} bytes is not a whole number of "

@@ -33,6 +33,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from phx.futures import PoolFuture
 from phx.loader.checkpoint import Checkpoint, open_checkpoint
 from phx.loader.format import DTYPES, CheckpointError, FileIdentity, TensorInfo, check_identity
 from phx.loader.plan import Job, Partial, Sharder, Slice, plan, slice_shape, tp_sharder
@@ -68,7 +69,7 @@ def _jobs(ck: Checkpoint, names: Iterable[str] | None, shard: Sharder | None,
     return plan(tensors, group_bytes, shard)
 
 
-def prepare(device: Any = "cuda") -> concurrent.futures.Future | None:
+def prepare(device: Any = "cuda") -> PoolFuture | None:
     """Make phx.gpu's staging context for ``device`` on a background thread, now.
 
     A load creates it on its first read otherwise, and its start-up (pinning
@@ -85,7 +86,7 @@ def prepare(device: Any = "cuda") -> concurrent.futures.Future | None:
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="phx-prepare")
     fut = pool.submit(phx.gpu.context, device=index)
     pool.shutdown(wait=False)
-    return fut
+    return PoolFuture(fut, None)
 
 
 def iter_tensors(path: Source, device: Any = "cpu", *,

@@ -175,7 +175,7 @@ class GPUBackend(Backend):
 
     def submit(self, file, buf, pieces):
         import phx.gpu
-        return phx.gpu.read_chunks_async(file, buf, pieces[:, 0], pieces[:, 1], pieces[:, 2])
+        return phx.gpu.read_chunks_async(buf, file, pieces[:, 0], pieces[:, 1], pieces[:, 2])
 
     def wait(self, handle):
         return np.asarray(handle.result(), dtype=np.int64)
