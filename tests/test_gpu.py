@@ -386,11 +386,11 @@ def test_paths_and_counters(data_dir, rng):
     with phx.open(path, "r+", engine=eng) as f:
         fu = f.pread_async(t, 0)
         assert fu.result() == 4 * MiB
-        bp = fu.by_path()
+        bp = fu.bytes_by_path()
         assert bp["direct"] == 4 * MiB and bp["bounce"] == 0
         w = f.pwrite_async(t[:MiB + 3], 5)          # unaligned: bounced edges
         assert w.result() == MiB + 3
-        assert w.by_path()["bounce"] > 0 and w.by_path()["direct"] > 0
+        assert w.bytes_by_path()["bounce"] > 0 and w.bytes_by_path()["direct"] > 0
     st = phx.gpu.stats(eng)
     assert st["bytes_read"] == 4 * MiB and st["bytes_written"] == MiB + 3
     assert st["direct_bytes"] >= 4 * MiB and st["h2d_bytes"] == 4 * MiB
@@ -398,7 +398,7 @@ def test_paths_and_counters(data_dir, rng):
     with phx.open(path, "r", direct=False, engine=eng) as f:
         fu = f.pread_async(t, 1)
         assert fu.result() == 4 * MiB
-        assert fu.by_path()["page_cache"] == 4 * MiB
+        assert fu.bytes_by_path()["page_cache"] == 4 * MiB
     assert phx.gpu.engine_stats(eng)["gpu_buffered_bytes"] == 4 * MiB
 
 

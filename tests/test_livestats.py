@@ -260,7 +260,7 @@ def test_rates_from_two_samples():
     r, = livestats.rates([proc(0, 0)], [proc(2_000_000_000, 1000)])
     assert r.read_gbs == pytest.approx(1000 * (1 << 20) / 2 / 1e9)
     assert r.iops == pytest.approx(750)
-    assert r.paths == pytest.approx({"direct": 0.75, "bounce": 0.125, "buffered": 0.125})
+    assert r.paths == pytest.approx({"direct": 0.75, "bounce": 0.125, "page_cache": 0.125})
     assert r.rmw_share == pytest.approx(0.5)
     assert r.errors == 2 and r.errors_total == 2
     assert r.staging_bytes is None and r.early_share is None

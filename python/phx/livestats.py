@@ -38,6 +38,8 @@ _NAME = re.compile(r"^phx-stats\.(\d+)\.(\d+)$")
 
 #: counters whose deltas give bytes by path, per kind (what ``phx top`` shares out)
 PATH_COUNTERS = ("direct_bytes", "bounce_bytes", "buffered_bytes")
+#: ... under the path names every phx future uses (:data:`phx.futures.PATHS`)
+_PATH_NAMES = {"direct_bytes": "direct", "bounce_bytes": "bounce", "buffered_bytes": "page_cache"}
 
 
 @dataclasses.dataclass
@@ -225,7 +227,7 @@ class Rates:
     read_gbs: float
     write_gbs: float
     iops: float
-    paths: dict[str, float]          # share of the bytes by path (0..1); {} when none moved
+    paths: dict[str, float]          # share of the bytes by path (0..1; phx.futures.PATHS); {} when none moved
     rmw_share: float | None          # partial-block writes / writes
     errors: int                      # in the interval
     errors_total: int
@@ -260,7 +262,7 @@ def rates(before: Iterable[Process], after: Iterable[Process]) -> list[Rates]:
             ios = _delta(c0, c1, "reads") + _delta(c0, c1, "writes")
             moved = {k: _delta(c0, c1, k) for k in PATH_COUNTERS if k in c1}
             tot = sum(moved.values())
-            paths = {k.removesuffix("_bytes"): v / tot for k, v in moved.items()} if tot else {}
+            paths = {_PATH_NAMES[k]: v / tot for k, v in moved.items()} if tot else {}
             nw = _delta(c0, c1, "writes")
             rmw = _delta(c0, c1, "rmw_ios") / nw if "rmw_ios" in c1 and nw else None
             errs = sum(_delta(c0, c1, k) for k in _error_names(s.kind))

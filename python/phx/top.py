@@ -128,7 +128,7 @@ def render(rows: list[livestats.Rates], width: int = 160, now: float | None = No
         table.append((str(r.pid), r.comm[:15], src[:48], f"{r.read_gbs:.2f}", f"{r.write_gbs:.2f}",
                       f"{r.iops:.0f}", _pct(r.paths.get("direct") if r.paths else None),
                       _pct(r.paths.get("bounce") if r.paths else None),
-                      _pct(r.paths.get("buffered") if r.paths else None), _pct(r.rmw_share),
+                      _pct(r.paths.get("page_cache") if r.paths else None), _pct(r.rmw_share),
                       f"{r.errors}/{r.errors_total}" if r.errors_total else "0",
                       _gib(r.staging_bytes) if r.staging_bytes else "-", _pct(r.early_share)))
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLS))]
