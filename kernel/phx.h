@@ -86,6 +86,7 @@ struct phx_provider {
  *	worker) until no page is referenced, then removes the pages.
  * @scan_idx: pages below it were seen idle by the teardown (after the
  *	revocation nothing can take a new reference, so they stay idle).
+ * @rcu_synced: the teardown waited for racing GUP-fast walkers once.
  * @busy_counted: the teardown counts in phx_nr_pages_busy().
  * @done: completed when the pages are gone and the provider released.
  */
@@ -116,6 +117,7 @@ struct phx_reg {
 	bool charged;
 	struct delayed_work finish_work;
 	unsigned long scan_idx;
+	bool rcu_synced;
 	bool busy_counted;
 	struct completion done;
 };

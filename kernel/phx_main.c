@@ -374,8 +374,9 @@ static bool phx_reg_quiet(struct phx_reg *reg)
 	unsigned long nr = reg->length >> PAGE_SHIFT;
 
 	/* GUP-fast runs with interrupts off: let racing walkers finish. */
-	if (!reg->scan_idx)
+	if (!reg->rcu_synced)
 		synchronize_rcu();
+	reg->rcu_synced = true;
 	for (; reg->scan_idx < nr; reg->scan_idx++) {
 		if (page_ref_count(phx_reg_page(reg, reg->scan_idx)) > 1)
 			return false;

@@ -2101,7 +2101,15 @@ static int cmd_nvfail(const struct bdf *b, const char *dir)
 	struct phx_register r;
 	struct stub_stats st;
 	int fd = phx_open(), ret, i;
+	char ptv[32] = "0x00020000";
+	FILE *f = fopen(STUB_DIR "pt_version", "r");
 
+	if (f) {	/* restored at the end */
+		if (!fgets(ptv, sizeof(ptv), f))
+			strcpy(ptv, "0x00020000");
+		ptv[strcspn(ptv, "\n")] = 0;
+		fclose(f);
+	}
 #define NVEXPECT(what, want) do { ret = nv_register(fd, b->nv_va, 4 << 20, &r); \
 	if (ret != (want)) FAIL("nvfail %s: got %s, want %s", what, strerror(-ret), \
 				strerror(-(want))); \
@@ -2126,6 +2134,7 @@ static int cmd_nvfail(const struct bdf *b, const char *dir)
 	stub_write("pt_flags", "1");
 	NVEXPECT("CPU-cacheable memory (coherent platform)", -EOPNOTSUPP);
 	stub_write("pt_flags", "0");
+	stub_write("pt_version", "%s", ptv);
 	stub_write("fragment", "2");
 	NVEXPECT("64 KiB fragments", -EINVAL);
 	stub_write("fragment", "0");
@@ -2287,8 +2296,14 @@ static void *race_actor(void *arg)
 		break;
 	case A_REREG: {
 		struct phx_register r2;
-		int fd2 = phx_open(), ret = nv_register(fd2, r->reg.gpu_va, r->len, &r2);
+		int fd2 = phx_open(), ret, k;
 
+		/* hammer: the window is inside the other side's page removal */
+		for (k = 0; k < 200; k++) {
+			ret = nv_register(fd2, r->reg.gpu_va, r->len, &r2);
+			if (ret != -EBUSY)
+				break;
+		}
 		if (!ret)
 			ret = phx_unreg(fd2, r2.handle);
 		else if (ret == -EBUSY)
