@@ -47,8 +47,18 @@ def _engine() -> dict[str, Any]:
     except (OSError, ValueError) as e:
         return {"available": False, "reason": str(e), **out}
     out = {"available": True, "backend": eng.backend, "reason": eng.backend_reason, **out}
+    out["live_counters"] = _live_counters()
     eng.close()
     return out
+
+
+def _live_counters() -> str:
+    """Where this process's engines publish their counters (phx stats / top),
+    or why they do not (asked while an engine is open)."""
+    from phx._lib.engine import stats_path, stats_path_reason
+    path = stats_path()
+    return f"published in {os.path.dirname(path)} (phx stats, phx top)" if path else \
+        stats_path_reason()
 
 
 def _fs_type(path: str) -> str:
