@@ -18,12 +18,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 #     dwarves (pahole: the BTF step of phx.ko's modfinal);
 #     flex bison libssl-dev for the P2PDMA kernel (make test-guest-p2pdma)
 #   test-fresh: debootstrap
+#   test-seccomp: libseccomp-dev (tests/seccomp's launcher that refuses io_uring)
 APT_PACKAGES := build-essential cmake ninja-build pkg-config liburing-dev libblkid-dev \
 	python3-venv python3-dev \
 	fio xfsprogs e2fsprogs util-linux mount \
 	qemu-system-x86 busybox-static cpio xz-utils kmod dmsetup libelf-dev bc dwarves \
 	flex bison libssl-dev \
-	debootstrap
+	debootstrap libseccomp-dev
 export PHX_APT_PACKAGES := $(APT_PACKAGES)
 # What `make bench` (`phx bench io`) needs of them: the build, fio, and mkfs,
 # mount and modprobe for its zram rows.
@@ -130,6 +131,7 @@ clean:
 -include kernel/kernel.mk
 -include tests/guest/guest.mk
 -include tests/guest/nvme/nvme.mk
+-include tests/seccomp/seccomp.mk
 
 # test-guest is the sum of the fragments' double-colon rules (none without them).
 test-guest::

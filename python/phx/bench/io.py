@@ -17,6 +17,9 @@ Engines
           at the end of a batch costs little); buffers: 2 x QD block-sized
           slices of one ``phx.empty_aligned`` buffer registered with the
           engine, used round robin.
+  phx-threads  the same on libphx's thread-pool backend
+          (``phx.Engine(backend="threads")``: preadv2/pwritev2 workers, what
+          phx falls back to where io_uring is refused, docs/design.md).
   fio     fio's io_uring engine at its strongest (see :mod:`phx.bench._fio`):
           fixed buffers, registered file, phx's submit batching, every ready
           completion reaped at once, no buffer scrambling, no latency
@@ -79,7 +82,7 @@ from phx.bench._common import (BenchError, add_common_arguments, cpu_model,  # n
 KiB = 1 << 10
 MiB = 1 << 20
 
-ENGINES = ("phx", "fio", "preadv")
+ENGINES = ("phx", "phx-threads", "fio", "preadv")
 OPS = _fio.OPS
 
 DEFAULT_SIZE = "1g"
@@ -103,7 +106,7 @@ QUICK_REPEATS = 3
 #: Seconds a run costs beyond --runtime (process start, engine setup, the
 #: page-cache drop per row), for the estimate printed at the start; measured
 #: on the 2-core development box (0.24 s per run on average).
-RUN_OVERHEAD_S = {"fio": 0.35, "phx": 0.15, "preadv": 0.15}
+RUN_OVERHEAD_S = {"fio": 0.35, "phx": 0.15, "phx-threads": 0.15, "preadv": 0.15}
 TEST_FILE_WRITE_GBPS = 0.5  # for the same estimate
 
 
@@ -557,7 +560,8 @@ class PhxEngine:
     #: fio's io_u reuse is no different.
     BUFFERS_PER_QD = 1
 
-    def __init__(self, path: str, size: int, seed: int | None, register: bool):
+    def __init__(self, path: str, size: int, seed: int | None, register: bool,
+                 backend: str = "uring"):
         try:
             import phx
             phx.Engine  # noqa: B018 - a source tree without the built extension lacks it
@@ -567,6 +571,7 @@ class PhxEngine:
         import numpy as np
         self.phx, self.np = phx, np
         self.path, self.size, self.register = path, size, register
+        self.backend = backend    # "uring" for the phx row, so it never falls back unseen
         self.rng = np.random.default_rng(seed)
         self.version = getattr(phx, "__version__", "")
         self.registered: bool | None = None  # whether register_buffer worked (last run)
@@ -578,7 +583,8 @@ class PhxEngine:
         # One thread drives each run, as fio's one job does: the engine may
         # then use a single-issuer ring with deferred task running and a
         # registered ring fd (fio 3.33 sets the first two as well).
-        kw: dict[str, Any] = {"queue_depth": qd, "single_thread": True}
+        kw: dict[str, Any] = {"queue_depth": qd, "single_thread": True,
+                              "backend": self.backend}
         if bs > MiB:  # one device request per block, as fio issues it
             kw["max_io_size"] = bs
         return self.phx.Engine(**kw)
@@ -648,7 +654,7 @@ class PhxEngine:
             cpu = _cpu_seconds() - cpu0
             st = eng.stats()
             extra = {k: st[k] for k in ("sqes", "submits", "fixed_buf_ios", "bounce_ios",
-                                        "short_ios", "errors") if k in st}
+                                        "short_ios", "errors", "backend") if k in st}
             if write:
                 extra["fsync_s"] = fsync_s
         finally:
@@ -850,7 +856,8 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
 
     panels = list(dict.fromkeys((r["op"], r["bs"]) for r in results))
     engines = list(dict.fromkeys(r["engine"] for r in results))
-    colours = {"phx": "tab:blue", "fio": "tab:orange", "preadv": "tab:green"}
+    colours = {"phx": "tab:blue", "phx-threads": "tab:purple", "fio": "tab:orange",
+               "preadv": "tab:green"}
     ncols = min(3, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, squeeze=False,
@@ -933,8 +940,9 @@ def _make_runners(engines: list[str], path: str, size: int, seed: int, args,
                   submit_batch: int) -> dict[str, Any]:
     runners: dict[str, Any] = {}
     for e in engines:
-        if e == "phx":
-            runners[e] = PhxEngine(path, size, seed, not args.no_register)
+        if e in ("phx", "phx-threads"):
+            runners[e] = PhxEngine(path, size, seed, not args.no_register,
+                                   "threads" if e == "phx-threads" else "uring")
         elif e == "fio":
             runners[e] = FioEngine(path, size, args.fio_args.split(), submit_batch)
         else:
