@@ -111,7 +111,7 @@ test-c: deps
 test-py: build $(LMCACHE_SITE)
 	$(VPY) -m pytest -ra tests
 
-test: test-c test-py test-guest
+test: test-c test-py test-guest test-seccomp
 
 # Only what `phx bench io` needs (build-bench); `make test` installs the rest.
 bench: build-bench
