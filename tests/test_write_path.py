@@ -146,7 +146,11 @@ def test_tail_past_eof_while_another_process_appends(fs_dir, rng):
                 n = int(rng.integers(1, 400))
                 ours = fresh_bytes(rng, n)
                 assert f.pwrite(ours, at) == n
-            out, _ = child.communicate(timeout=60)
+            # not communicate(): with a timeout it reads the pipe's fd and
+            # loses what readline() above already buffered (the JSON line,
+            # when the machine is slow to come back to us)
+            out = child.stdout.read()
+            child.wait(timeout=60)
         finally:
             if child.poll() is None:
                 child.kill()
