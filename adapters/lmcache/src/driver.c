@@ -265,11 +265,19 @@ static const char *const pf_stat_names[] = {
 	"early_reads", "early_misses", "bad_refusals", "bad_marks",
 };
 
+static int stats_collect(struct phxfile_stats *out, bool nowait);
+
+/*
+ * libphx's publishing thread, with its own lock held: it must not wait for
+ * d->setup, whose holder may be creating a context, which publishes its
+ * counters and so waits for that lock (a deadlock seen in the fake tests).
+ * When setup is busy the values of the last round stay.
+ */
 static void pf_stats_fill(void *unused, uint64_t *vals, uint32_t n)
 {
-	struct phxfile_stats st = { .size = sizeof(st) };
+	struct phxfile_stats st;
 
-	if (phxFileGetStats(&st))
+	if (stats_collect(&st, true))
 		return;
 	vals[0] = st.path;
 	/* the uint64_t fields from driver_opens on, in pf_stat_names' order */
@@ -348,37 +356,50 @@ PF_EXPORT int phxFileDriverClose(void)
 	return ret;
 }
 
-PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
+/* The counters now; -EAGAIN when @nowait and setup is held. */
+static int stats_collect(struct phxfile_stats *out, bool nowait)
 {
 	struct pf_driver *d = pf_drv();
-	struct phxfile_stats out;
 	struct phx_cuda_stats cs;
-	uint32_t size;
 	int i;
 
-	if (!st || st->size < sizeof(uint32_t) * 2)
-		return -EINVAL;
-	size = st->size < sizeof(*st) ? st->size : sizeof(*st);
 	/* setup: no context is destroyed while its counters are read */
-	pthread_mutex_lock(&d->setup);
+	if (nowait) {
+		if (pthread_mutex_trylock(&d->setup))
+			return -EAGAIN;
+	} else {
+		pthread_mutex_lock(&d->setup);
+	}
 	pthread_mutex_lock(&d->lock);
-	out = d->st;
-	out.path = d->live ? d->path : PHXFILE_PATH_NONE;
+	*out = d->st;
+	out->path = d->live ? d->path : PHXFILE_PATH_NONE;
 	pthread_mutex_unlock(&d->lock);
 	for (i = 0; i < PF_MAX_DEVICES; i++) {
 		if (!d->ctx[i])
 			continue;
 		phx_cuda_stats_get(d->ctx[i], &cs, sizeof(cs));
-		out.staging_errors += cs.errors;
-		out.staging_chunks += cs.chunks;
-		out.h2d_bytes += cs.h2d_bytes;
-		out.d2h_bytes += cs.d2h_bytes;
-		out.pinned_bytes += cs.pinned_bytes;
-		out.early_reads += cs.early_reads;
-		out.early_misses += cs.early_misses;
-		out.bad_marks += cs.bad_marks;
+		out->staging_errors += cs.errors;
+		out->staging_chunks += cs.chunks;
+		out->h2d_bytes += cs.h2d_bytes;
+		out->d2h_bytes += cs.d2h_bytes;
+		out->pinned_bytes += cs.pinned_bytes;
+		out->early_reads += cs.early_reads;
+		out->early_misses += cs.early_misses;
+		out->bad_marks += cs.bad_marks;
 	}
 	pthread_mutex_unlock(&d->setup);
+	return 0;
+}
+
+PF_EXPORT int phxFileGetStats(struct phxfile_stats *st)
+{
+	struct phxfile_stats out;
+	uint32_t size;
+
+	if (!st || st->size < sizeof(uint32_t) * 2)
+		return -EINVAL;
+	size = st->size < sizeof(*st) ? st->size : sizeof(*st);
+	stats_collect(&out, false);
 	out.size = size;
 	memcpy(st, &out, size);
 	return 0;
