@@ -77,7 +77,9 @@ venv-bench: deps-bench $(VPY)
 # Everything the tests use.  torch is optional: the CPU build is installed for
 # the tests when available.
 venv: deps venv-bench
-	$(VPY) -m pip install -q pytest
+	$(VPY) -m pip install -q pytest pytest-timeout
+	@# mypy: tests/test_typing.py (mypy --strict, stubtest; skipped without it)
+	$(VPY) -m pip install -q mypy
 	$(VPY) -m pip show torch >/dev/null 2>&1 || $(VPY) -m pip install -q "torch==2.13.0" \
 		|| echo "torch not installed: torch tests will skip"
 	@# transformers: the LMCache replay test builds a small random Llama on the CPU
@@ -108,8 +110,10 @@ test-c: deps
 	cmake --build build/c
 	cd build/c && ctest --output-on-failure
 
+# --timeout: a hung test fails with its stack instead of stalling CI;
+# --durations: the slowest tests named in every CI log (docs/ci.md)
 test-py: build $(LMCACHE_SITE)
-	$(VPY) -m pytest -ra tests
+	$(VPY) -m pytest -ra --timeout=900 --durations=25 tests
 
 test: test-c test-py test-guest test-seccomp
 
