@@ -202,3 +202,143 @@ def test_slab_claimed_by_one_process(fake_libcuda, tmp_path):
     assert a.returncode == 0
     c = subprocess.run(argv, env=env, input="\n", capture_output=True, text=True, timeout=120)
     assert c.stdout.split()[:2] == ["rc", "0"], c.stdout + c.stderr
+
+
+# ---------------------------------------------------------------------------
+# issue 23: LMCache's own server path (adapters/lmcache/tests/server_checks.py)
+
+SERVER = os.path.join(support.HERE, "server_checks.py")
+
+
+def _server_env(fake, **extra):
+    return support.child_env(SITE, LD_LIBRARY_PATH=str(fake), PHX_CUDA_LANES="2", **extra)
+
+
+def _fs_dir(kind: str, tmp_path):
+    """A folder on the box's filesystem (ext4 here) or on an xfs / ext4 loop
+    mount (root); yields it, unmounts after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        if kind == "box":
+            yield str(tmp_path / "box")
+            return
+        mnt = str(tmp_path / kind)
+        mkfs = "mkfs.xfs" if kind == "xfs" else "mkfs.ext4"
+        if os.geteuid() != 0 or not shutil.which(mkfs):
+            pytest.skip(f"needs root and {mkfs} for a loop mount")
+        img = str(tmp_path / f"{kind}.img")
+        if kind == "xfs":
+            ok = _mount("xfs", mnt, img)
+        else:
+            subprocess.run(["truncate", "-s", "256M", img], check=True)
+            os.makedirs(mnt, exist_ok=True)
+            ok = (subprocess.run([mkfs, "-q", "-F", img], capture_output=True).returncode == 0
+                  and subprocess.run(["mount", "-o", "loop", img, mnt],
+                                     capture_output=True).returncode == 0)
+        if not ok:
+            pytest.skip(f"could not mount {kind}")
+        try:
+            yield mnt
+        finally:
+            _umount(mnt)
+    return cm()
+
+
+@pytest.mark.parametrize("first_hook", ["hook", "nohook"])
+@pytest.mark.parametrize("fs", ["box", "xfs"])
+def test_second_server_leaves_the_first_slab_alone(fake_libcuda, tmp_path, fs, first_hook):
+    """Two LMCache GDS L1 servers (LMCache's L1Manager with backend phx, as the
+    cache server starts it) given one path: the first stores random KV chunks;
+    the second's start fails with a message naming the first's process, before
+    LMCache's open_slab truncates anything; the first's chunks then load
+    byte-exact and the slab file holds them.  The first server runs with the
+    import hook (the OFD claim) or without it (PHX_LMCACHE_HOOK=0: only
+    libphxfile's registration lock, which the second's hook checks too)."""
+    with _fs_dir(fs, tmp_path) as where:
+        loc = os.path.join(where, "gds")
+        env_a = _server_env(fake_libcuda)
+        if first_hook == "nohook":      # LMCache finds the library on the loader path
+            import phx_lmcache
+            env_a.update(PHX_LMCACHE_HOOK="0", LD_LIBRARY_PATH=os.pathsep.join(
+                [str(fake_libcuda), os.path.dirname(phx_lmcache.library_path())]))
+        a = subprocess.Popen([sys.executable, "-W", "ignore", SERVER, "hold", loc, "6"],
+                             env=env_a, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            line = a.stdout.readline()
+            assert line.startswith("ready"), line + a.stdout.read() + a.stderr.read()
+            size = os.path.getsize(os.path.join(loc, "lmcache_gds_slab.bin"))
+            b = support.run_py(SERVER, ["start", loc], _server_env(fake_libcuda), timeout=120)
+            size_after = os.path.getsize(os.path.join(loc, "lmcache_gds_slab.bin"))
+        finally:
+            out, err = a.communicate("go\n", timeout=120)
+        assert a.returncode == 0 and "ok hold" in out, out + err
+        assert "refused SlabInUse" in b.stdout, b.stdout + b.stderr
+        assert f"in use by process {a.pid}" in b.stdout, b.stdout
+        assert "left untouched" in b.stdout, b.stdout
+        assert size_after == size
+        # the first one gone, a server starts on the path again
+        c = support.run_py(SERVER, ["start", loc], _server_env(fake_libcuda), timeout=120)
+        assert "ok started" in c.stdout, c.stdout + c.stderr
+
+
+def _filling_fs(kind: str, tmp_path):
+    """A filesystem on a loop device whose backing file is sparse on a small
+    tmpfs: once the test fills the tmpfs, writes to blocks never written
+    before fail (the loop device cannot allocate them: ENOSPC/EIO) while
+    blocks already written stay readable and writable.  Yields (mount,
+    backing folder)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        mkfs = {"ext4": ["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0"],
+                "xfs": ["mkfs.xfs", "-q", "-f"]}[kind]
+        if os.geteuid() != 0 or not shutil.which(mkfs[0]) or not shutil.which("losetup"):
+            pytest.skip(f"needs root, losetup and {mkfs[0]}")
+        back, mnt = str(tmp_path / "back"), str(tmp_path / "mnt")
+        os.makedirs(back)
+        os.makedirs(mnt)
+        tmpfs, img = ("48M", "256M") if kind == "ext4" else ("160M", "400M")
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs}", "tmpfs", back],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs")
+        loop = None
+        try:
+            subprocess.run(["truncate", "-s", img, os.path.join(back, "img")], check=True)
+            r = subprocess.run(["losetup", "-f", "--show", os.path.join(back, "img")],
+                               capture_output=True, text=True)
+            if r.returncode:
+                pytest.skip(f"losetup: {r.stderr.strip()}")
+            loop = r.stdout.strip()
+            subprocess.run(mkfs + [loop], check=True, capture_output=True)
+            if subprocess.run(["mount", loop, mnt], capture_output=True).returncode:
+                pytest.skip(f"cannot mount {kind} on {loop}")
+            try:
+                yield mnt, back
+            finally:
+                _umount(mnt)
+        finally:
+            if loop:
+                subprocess.run(["losetup", "-d", loop], capture_output=True)
+            _umount(back)
+    return cm()
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_failed_store_is_not_admitted(fake_libcuda, tmp_path, fs):
+    """LMCache's store and retrieve steps on a slab whose device starts failing
+    writes (the loop device's backing filesystem filled): the stores' slab
+    writes fail (ENOSPC or EIO in bytes_done, which LMCache never reads); the
+    import hook's finish_write check keeps them out of the cache (a miss, so
+    vLLM recomputes), their slab space is freed, a load of their range is
+    refused (a failed retrieve, the destination untouched), the earlier good
+    chunks load byte-exact, and once the device has room the same keys store
+    and load byte-exact."""
+    with _filling_fs(fs, tmp_path) as (mnt, back):
+        r = support.run_py(SERVER, ["failed_store", os.path.join(mnt, "gds"), back],
+                           _server_env(fake_libcuda), timeout=240)
+    assert "ok failed_store" in r.stdout, r.stdout + r.stderr
+    assert "store(s) not admitted: their slab write failed" in r.stderr, r.stderr

@@ -104,6 +104,16 @@ struct phxfile_stats {
 /* Counters since the process loaded the library; 0 or -EINVAL. */
 int phxFileGetStats(struct phxfile_stats *st);
 
+/*
+ * Not part of the frozen ABI (phx_lmcache's import hook calls it): 0 when
+ * no write through this library to [@offset, @offset + @len) of the
+ * handle's file failed since the range was last written successfully,
+ * -EIO when one did (its loads are refused), -EBADF for an unknown handle,
+ * -EINVAL for a negative offset.  LMCache never reads bytes_done; the hook
+ * asks this before admitting a store.
+ */
+int phxFileCheckRange(void *fh, int64_t offset, uint64_t len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -237,3 +237,26 @@ PF_EXPORT int phxFileWriteAsync(void *fh, void *buf_base, size_t *nbytes,
 	return transfer(PHX_OP_WRITE, fh, buf_base, nbytes, file_offset, buf_offset,
 			bytes_done, stream);
 }
+
+PF_EXPORT int phxFileCheckRange(void *fh, int64_t offset, uint64_t len)
+{
+	struct pf_driver *d = pf_drv();
+	struct pf_handle *h;
+	int ret;
+
+	if (offset < 0)
+		return -EINVAL;
+	pthread_mutex_lock(&d->lock);
+	h = pf_handle_find_locked(d, fh);
+	if (h)
+		h->inflight++;		/* the handle stays while it is asked */
+	pthread_mutex_unlock(&d->lock);
+	if (!h)
+		return -EBADF;
+	ret = phx_file_check_range(h->f, (uint64_t)offset, len) ? -EIO : 0;
+	pthread_mutex_lock(&d->lock);
+	h->inflight--;
+	pthread_cond_broadcast(&d->idle);
+	pthread_mutex_unlock(&d->lock);
+	return ret;
+}

@@ -2,12 +2,17 @@
 
 It only adds a finder to ``sys.meta_path`` that watches for one module name,
 LMCache's ``phx`` GDS backend; when that is imported it loads libphxfile.so
-by absolute path (so LMCache's ``ctypes.CDLL("libphxfile.so")`` gets it)
-and steps aside.  Set ``PHX_LMCACHE_HOOK=0`` to disable it (then LMCache
-loads whatever ``find_library("phxfile")`` finds).
+by absolute path (so LMCache's ``ctypes.CDLL("libphxfile.so")`` gets it),
+lets the module load as usual, then wraps its ``open_slab`` (the slab claim,
+taken before LMCache truncates the file) and, once a slab is open,
+LMCache's ``L1Manager.finish_write`` (stores whose slab write failed are
+discarded, not admitted): see :mod:`phx_lmcache._slab`.  Then it steps
+aside.  Set ``PHX_LMCACHE_HOOK=0`` to disable it (then LMCache loads
+whatever ``find_library("phxfile")`` finds, and nothing is wrapped).
 """
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 
@@ -15,18 +20,51 @@ WATCHED = "lmcache.v1.gpu_connector.gds_backends.phx"
 
 
 class _Finder:
-    """A meta-path finder that never finds anything: it preloads, then
-    lets the normal finders import the module."""
+    """A meta-path finder for one module: it preloads the library, then
+    returns the spec the normal finders give, its loader wrapped so that the
+    module is patched right after it has run."""
 
     @staticmethod
     def find_spec(fullname, path=None, target=None):
-        if fullname == WATCHED:
-            _preload()
-        return None
+        if fullname != WATCHED:
+            return None
+        _preload()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
 
     @staticmethod
     def invalidate_caches():
         return None
+
+
+class _PatchingLoader:
+    """Runs the real loader, then patches the module (phx_lmcache._slab)."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _patch(module) -> None:
+    try:
+        from phx_lmcache import _slab
+        _slab.patch(module)
+    except Exception as e:  # noqa: BLE001 - LMCache still runs, unguarded
+        sys.stderr.write(f"phx_lmcache: cannot wrap LMCache's phx backend: "
+                         f"{type(e).__name__}: {e}\n")
 
 
 def _preload() -> None:
@@ -45,6 +83,7 @@ def install() -> None:
         return
     if WATCHED in sys.modules:
         _preload()
+        _patch(sys.modules[WATCHED])
         return
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
