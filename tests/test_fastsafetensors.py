@@ -70,6 +70,16 @@ def test_phx_copier_type_matches_safetensors(fs_dir, rng):
     assert moved >= data, (moved, data)
 
 
+def test_note_identities_wraps_once():
+    from fastsafetensors.common import SafeTensorsMetadata
+
+    from phx_fastsafetensors.copier import note_identities
+    note_identities()
+    first = SafeTensorsMetadata.__dict__["from_fd"]
+    note_identities()
+    assert SafeTensorsMetadata.__dict__["from_fd"] is first
+
+
 def loader_header_end(path: str) -> int:
     from phx.loader import open_checkpoint
     return open_checkpoint(path).files[0].data_start

@@ -52,9 +52,10 @@ def note_identities() -> None:
     """Make fastsafetensors' ``SafeTensorsMetadata.from_fd`` note the
     identity of the file each header is read from (idempotent)."""
     inner = SafeTensorsMetadata.__dict__["from_fd"]
-    if getattr(inner, "_phx", False):
-        return
     func = inner.__func__
+    # the mark is on the function: a classmethod does not show its attributes
+    if getattr(func, "_phx", False):
+        return
 
     def from_fd(cls, fd, filename, *args, **kwargs):
         before = FileIdentity.of(os.fstat(fd))
