@@ -96,6 +96,8 @@ def cachestat_available() -> bool:
 
 
 def _cachestat_raw(fd: int, offset: int, length: int) -> _Stat | None:
+    if _NR_CACHESTAT is None:       # no syscall number on this arch: as ENOSYS
+        return None
     r = _Range(offset, length)
     st = _Stat()
     rc = _libc.syscall(ctypes.c_long(_NR_CACHESTAT), ctypes.c_int(fd), ctypes.byref(r),
