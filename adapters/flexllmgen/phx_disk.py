@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -42,13 +43,13 @@ pb.fix_recursive_import()      # as flex_opt.py does: pytorch_backend's late imp
 
 from phx.kv import KVStore, RelayPool, place_layers
 from phx.kv.planner import PAGECACHE
-from phx.kv.slab import round_up
+from phx.kv.slab import PageCacheBackend, round_up
 
 MODES = ("dual", "direct", "cachepolicy")
 INTRA, CROSS = "overlap-intra", "overlap-cross"
 
 
-def _rows(indices, shape) -> tuple[int, int, bool]:
+def _rows(indices: Sequence[slice] | None, shape: Sequence[int]) -> tuple[int, int, bool]:
     """(first row, end row, whole rows?) of FlexLLMGen's slice tuple on a tensor."""
     if not indices:
         return 0, shape[0], True
@@ -74,7 +75,7 @@ class _Overlap:
         self.forced = forced
         self.locked = forced
         self.step = 0
-        self.measured: dict[str, dict] = {}
+        self.measured: dict[str, dict[str, float]] = {}
         self.read_lock = threading.Lock()
         self.dma_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -117,7 +118,7 @@ class _Overlap:
                 self.locked = (CROSS if self.measured[CROSS]["gbps"] > self.measured[INTRA]["gbps"]
                                else INTRA)
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         return {"choice": self.locked, "forced": self.forced is not None,
                 "probe": self.measured, "steps": self.step}
 
@@ -137,7 +138,10 @@ class PhxDisk:
             writes at once; ``None``: the store's default, on for ``dual``).
     """
 
-    def __init__(self, path, mem_capacity=None, cuda_id=0, num_copy_threads=4, *,
+    store: KVStore          # set_path()'s
+
+    def __init__(self, path: str, mem_capacity: int | None = None, cuda_id: int = 0,
+                 num_copy_threads: int = 4, *,
                  mode: str = "dual", relay_bytes: int | None = None,
                  budget: int | None = None, reserve: int | None = None,
                  strategy: str | None = None, write_behind: bool | None = None):
@@ -147,23 +151,22 @@ class PhxDisk:
         self.mem_capacity = mem_capacity
         self.device_type = pb.DeviceType.DISK
         self.compressed_device = TorchCompressedDevice(self)
-        self.links: dict = {}
+        self.links: dict[Any, Any] = {}
         self.mode = mode
         self.cuda_id = cuda_id
         self.num_copy_threads = num_copy_threads
         self._budget, self._reserve = budget, reserve
         self._strategy = strategy
         self._write_behind = write_behind
-        self.relays = None
+        self.relays: RelayPool | None = None
         if relay_bytes and torch.cuda.is_available():
             # made once, outside any later memory cap (FlexLLMGen's relays are too),
             # registered with the engine of the stores' slabs (phx's default one)
             import phx
             self.relays = RelayPool(num_copy_threads, round_up(relay_bytes, 4096), cuda_id,
                                     phx.default_engine())
-        self.store: KVStore | None = None
         self.set_path(path)
-        self.copy_queue: queue.Queue | None = queue.Queue()
+        self.copy_queue: queue.Queue[Any] | None = queue.Queue()
         self._errors: list[BaseException] = []
         self.copy_threads = [threading.Thread(target=self._copy_worker, daemon=True)
                              for _ in range(num_copy_threads)]
@@ -175,8 +178,9 @@ class PhxDisk:
     def set_path(self, path: str) -> None:
         """Start over in ``path``: a new store (new budget and plan), files of the old
         one removed.  The relays are kept."""
-        if self.store is not None:
-            self.store.destroy()
+        old = getattr(self, "store", None)
+        if old is not None:
+            old.destroy()
         self.path = os.path.abspath(os.path.expanduser(path))
         os.makedirs(self.path, exist_ok=True)
         smode = {"dual": "dual", "direct": "direct", "cachepolicy": "pagecache"}[self.mode]
@@ -190,11 +194,12 @@ class PhxDisk:
         self._layer = 0
         self.overlap = _Overlap(self._strategy if self.mode == "dual" else INTRA)
 
-    def add_link(self, link):
+    def add_link(self, link: Any) -> None:
         dst = link.b if link.a == self else link.a
         self.links[dst] = link
 
-    def allocate(self, shape, dtype, pin_memory=None, name=None, layer: int | None = None):
+    def allocate(self, shape: Sequence[int], dtype: Any, pin_memory: bool | None = None,
+                 name: str | None = None, layer: int | None = None) -> Any:
         name = name or pb.TorchTensor.next_name()
         if layer is None:
             layer = self._layer
@@ -202,13 +207,13 @@ class PhxDisk:
         kv = self.store.allocate_tensor(layer, name, tuple(shape), np.dtype(dtype))
         return pb.TorchTensor(shape, pb.np_dtype_to_torch_dtype[dtype], kv, self, name=name)
 
-    def delete(self, tensor):
+    def delete(self, tensor: Any) -> None:
         kv = tensor.data
         # a tensor of a store set_path() already removed is gone with its files
         if kv is not None and kv in self.store.tensors():
             self.store.free(kv)
 
-    def init_cache_one_gpu_batch(self, config, task, policy):
+    def init_cache_one_gpu_batch(self, config: Any, task: Any, policy: Any) -> tuple[Any, Any]:
         shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * config.n_head,
                  config.input_dim // config.n_head)
         layer = self._layer                      # K and V of one layer: one (K, V) pair
@@ -217,11 +222,17 @@ class PhxDisk:
                 self.allocate(shape, np.float16, layer=layer))
 
     # -- copies -------------------------------------------------------------
-    def submit_copy(self, *args):
-        self.copy_queue.put_nowait(args)
+    def _queue(self) -> queue.Queue[Any]:
+        q = self.copy_queue
+        if q is None:
+            raise RuntimeError("PhxDisk is closed: its copy threads are stopped")
+        return q
 
-    def synchronize(self):
-        self.copy_queue.join()
+    def submit_copy(self, *args: Any) -> None:
+        self._queue().put_nowait(args)
+
+    def synchronize(self) -> None:
+        self._queue().join()
         if self._errors:
             e, self._errors = self._errors[0], []
             raise e
@@ -240,22 +251,23 @@ class PhxDisk:
             self._evict_from = layers[n1] if n1 < len(layers) else None
         self._planned = True
 
-    def _copy_worker(self):
+    def _copy_worker(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(self.cuda_id)
+        q = self._queue()
         while True:
-            item = self.copy_queue.get()
+            item = q.get()
             if item is None:
-                self.copy_queue.task_done()
+                q.task_done()
                 return
             try:
                 self._copy(*item)
             except BaseException as e:       # FlexLLMGen's threads would die silently
                 self._errors.append(e)
             finally:
-                self.copy_queue.task_done()
+                q.task_done()
 
-    def _copy(self, dst, dst_indices, src, src_indices):
+    def _copy(self, dst: Any, dst_indices: Any, src: Any, src_indices: Any) -> None:
         if src.device is self:
             self._load(dst, dst_indices, src, src_indices)
         elif dst.device is self:
@@ -274,7 +286,7 @@ class PhxDisk:
                 if not self._planned:
                     self._plan()
 
-    def _load(self, dst, dst_indices, src, src_indices):
+    def _load(self, dst: Any, dst_indices: Any, src: Any, src_indices: Any) -> None:
         self._ready()
         kv = src.data
         a, b, whole = _rows(src_indices, src.shape)
@@ -293,7 +305,7 @@ class PhxDisk:
         finally:
             ov.end_read((b - a) * kv.row_bytes)
 
-    def _read_rows(self, kv, a, b, out, ov) -> None:
+    def _read_rows(self, kv: Any, a: int, b: int, out: torch.Tensor, ov: _Overlap) -> None:
         if out.is_cuda:
             job = self.store.copy_job(kv, a, b, out)
             with self.store.relays(out.device.index or 0).acquire() as r:
@@ -307,7 +319,7 @@ class PhxDisk:
         else:
             self.store.read(kv, a, b, out=out)
 
-    def _store(self, dst, dst_indices, src, src_indices):
+    def _store(self, dst: Any, dst_indices: Any, src: Any, src_indices: Any) -> None:
         self._ready()
         kv = dst.data
         a, b, whole = _rows(dst_indices, dst.shape)
@@ -321,9 +333,11 @@ class PhxDisk:
             data = cur
         self.store.write(kv, a, data.contiguous())
         if self._evict_from is not None and kv.layer >= self._evict_from:
-            self.store.backend_of(kv).evict(kv.extent)
+            be = self.store.backend_of(kv)     # the page cache: cachepolicy mode
+            if isinstance(be, PageCacheBackend) and kv.extent is not None:
+                be.evict(kv.extent)
 
-    def close_copy_threads(self):
+    def close_copy_threads(self) -> None:
         if self.copy_queue is None:
             return
         for _ in self.copy_threads:
@@ -343,7 +357,7 @@ class PhxDisk:
             self.relays = None
 
     # -- what the runner reports --------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         plan = self.store.last_plan
         pool = self.relays or self.store.relay_pool
         return {"mode": self.mode, "plan": plan.as_dict() if plan else None,
@@ -351,13 +365,13 @@ class PhxDisk:
                 "pipeline": self.overlap.report() if self.mode == "dual" else None,
                 "relays": pool.stats() if pool else None}
 
-    def mem_stats(self):
+    def mem_stats(self) -> None:
         raise NotImplementedError()
 
-    def print_stats(self):
+    def print_stats(self) -> None:
         raise NotImplementedError()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close_copy_threads()
         except Exception:

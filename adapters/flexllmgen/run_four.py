@@ -42,6 +42,8 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("stock", "cachepolicy", "direct", "dual")
@@ -56,28 +58,28 @@ MiB = 1 << 20
 
 
 # -- workload arithmetic (no torch needed: the parent and the tests use it) ----------
-def kv_shape(cfg: dict) -> tuple[int, int, int]:
+def kv_shape(cfg: dict[str, Any]) -> tuple[int, int, int]:
     """FlexLLMGen's cache tensor: (prompt + gen - 1, batch * heads, head_dim)."""
     return (cfg["prompt"] + cfg["gen"] - 1, cfg["batch"] * cfg["heads"],
             cfg["hidden"] // cfg["heads"])
 
 
-def tensor_bytes(cfg: dict) -> int:
+def tensor_bytes(cfg: dict[str, Any]) -> int:
     r, c, d = kv_shape(cfg)
     return r * c * d * 2
 
 
-def working_set(cfg: dict) -> int:
-    return 2 * cfg["layers"] * tensor_bytes(cfg)
+def working_set(cfg: dict[str, Any]) -> int:
+    return 2 * int(cfg["layers"]) * tensor_bytes(cfg)
 
 
-def decode_read_bytes(cfg: dict) -> list[int]:
+def decode_read_bytes(cfg: dict[str, Any]) -> list[int]:
     """KV bytes FlexLLMGen reads in each decode step (rows [0:prompt+i], K and V)."""
     row = cfg["batch"] * cfg["hidden"] * 2
     return [2 * cfg["layers"] * (cfg["prompt"] + i) * row for i in range(1, cfg["gen"])]
 
 
-def ideal_decode_s(cfg: dict, hit_rate: float, compute_step_s: float, pc_bw: float,
+def ideal_decode_s(cfg: dict[str, Any], hit_rate: float, compute_step_s: float, pc_bw: float,
                    dev_bw: float) -> float:
     """Overlap model: per step max(compute, cached/pc_bw + rest/dev_bw)."""
     t = 0.0
@@ -93,7 +95,8 @@ MODELS = {"facebook/opt-6.7b": {"layers": 32, "hidden": 4096, "heads": 32},
 
 
 # -- the worker (one configuration, all caps) ----------------------------------------
-def run_capped(name: str, limit: int, base: str, fn):
+def run_capped(name: str, limit: int, base: str,
+               fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     """Run ``fn()`` with this whole process moved into a fresh memory cgroup of
     ``limit`` bytes (swap off), then moved back to the cgroup directory ``base``.
 
@@ -105,7 +108,7 @@ def run_capped(name: str, limit: int, base: str, fn):
     from phx.bench._kv_cgroup import MemCgroup
     from phx.kv import _sys
     cg = MemCgroup(name, limit)
-    info: dict = {"cap_bytes": limit}
+    info: dict[str, Any] = {"cap_bytes": limit}
     val = None
     io0 = _sys.proc_io()
     try:
@@ -126,14 +129,14 @@ def run_capped(name: str, limit: int, base: str, fn):
     return val, info
 
 
-def _random_weights(seed: int):
+def _random_weights(seed: int) -> Any:
     """A replacement for flex_opt.init_weight_list: weights on their home device,
     seeded random (the same bytes in every process)."""
     import numpy as np
     import torch
     from flexgen import flex_opt as fo
 
-    def init_weight_list(weight_specs, policy, env):
+    def init_weight_list(weight_specs: Any, policy: Any, env: Any) -> list[Any]:
         if policy.w_gpu_percent != 100:
             raise ValueError("the runner keeps the weights on the GPU (--percent 100 0 ...)")
         ret = []
@@ -151,7 +154,7 @@ def _random_weights(seed: int):
     return np
 
 
-def worker(conf: dict, out: str | None = None) -> dict:
+def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
     """One configuration at every cap; ``out`` gets the results so far after each
     cap (a worker stopped by its timeout still leaves the caps it finished)."""
     import numpy as np
@@ -174,7 +177,7 @@ def worker(conf: dict, out: str | None = None) -> dict:
     ws = working_set(conf)
     tb = tensor_bytes(conf)
 
-    def policy(cache_gpu: int):
+    def policy(cache_gpu: int) -> Any:
         cc = CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False)
         return fo.Policy(conf["batch"], 1, 100, 0, cache_gpu, 0, 100, 0, True, True, True,
                          False, 1.0, False, cc, False,
@@ -196,7 +199,7 @@ def worker(conf: dict, out: str | None = None) -> dict:
     nprompts = conf["batch"]
     inputs = tuple(rng.integers(4, 50000, conf["prompt"]).tolist() for _ in range(nprompts))
     warm = tuple(rng.integers(4, 50000, 32).tolist() for _ in range(nprompts))
-    res: dict = {"config": cfg, "pinned_bytes": pinned, "runs": []}
+    res: dict[str, Any] = {"config": cfg, "pinned_bytes": pinned, "runs": []}
     t0 = time.perf_counter()
     model = fo.OptLM(opt_config, env, "_DUMMY_", policy(0))
     res["load_s"] = time.perf_counter() - t0
@@ -232,7 +235,7 @@ def worker(conf: dict, out: str | None = None) -> dict:
             disk.set_path(d)
         limit = allowance + int(frac * ws)
 
-        def gen():
+        def gen() -> tuple[Any, list[float]]:
             timers("generate").reset()
             ids = model.generate(inputs, max_new_tokens=conf["gen"])
             return ids, list(timers("generate").costs)
@@ -266,9 +269,9 @@ def worker(conf: dict, out: str | None = None) -> dict:
 
 
 # -- the parent ------------------------------------------------------------------------
-def _failure(run: dict, want_ids) -> str | None:
+def _failure(run: dict[str, Any], want_ids: Any) -> str | None:
     if run.get("error"):
-        return run["error"]
+        return str(run["error"])
     if run.get("oom_kills"):
         return f"{run['oom_kills']} OOM kill(s) in its cgroup"
     if want_ids is not None and run.get("output_ids") != want_ids:
@@ -276,7 +279,7 @@ def _failure(run: dict, want_ids) -> str | None:
     return None
 
 
-def aggregate(results: list[dict], conf: dict) -> dict:
+def aggregate(results: list[dict[str, Any]], conf: dict[str, Any]) -> dict[str, Any]:
     """Medians per cap and configuration, the ids check, ratios and the ideal."""
     from statistics import median
     stock_ids = None
@@ -335,12 +338,12 @@ def aggregate(results: list[dict], conf: dict) -> dict:
                 c["failure"] == "output token ids differ from stock FlexLLMGen's" for c in checks)}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     hdr = ["cap x WS", "config", "prefill s", "decode s", "pre/stock", "dec/stock",
            "hit %", "dev read GB", "ideal s", "pinned MiB", "errors"]
     out = [" | ".join(hdr), " | ".join("---" for _ in hdr)]
 
-    def f(x, fmt="{:.3f}"):
+    def f(x: float | None, fmt: str = "{:.3f}") -> str:
         return "-" if x is None else fmt.format(x)
     for r in rows:
         out.append(" | ".join([
@@ -355,7 +358,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str, conf: dict) -> None:
+def plot(rows: list[dict[str, Any]], path: str, conf: dict[str, Any]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -391,7 +394,7 @@ def plot(rows: list[dict], path: str, conf: dict) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         conf = json.loads(argv[1])
@@ -456,7 +459,7 @@ def main(argv=None) -> int:
     print(f"KV working set {working_set(conf) / MiB:.0f} MiB ({kv_shape(conf)} fp16 x "
           f"{2 * conf['layers']}); decode reads {sum(decode_read_bytes(conf)) / 1e9:.2f} GB; "
           f"caps = {a.allowance / MiB:.0f} MiB + fraction x WS", flush=True)
-    results = []
+    results: list[dict[str, Any]] = []
     t_start = time.time()
     n_workers = a.repeat * len(conf["configs"])
     for rep in range(a.repeat):

@@ -43,7 +43,7 @@ def default_engine() -> Engine:
         return _default[1]
 
 
-def open(path: str | os.PathLike, mode: str = "r", *, direct: bool = True,
+def open(path: str | os.PathLike[str], mode: str = "r", *, direct: bool = True,
          allow_buffered: bool = False, engine: Engine | None = None) -> File:
     """Open ``path`` for phx I/O.
 
@@ -62,12 +62,13 @@ def open(path: str | os.PathLike, mode: str = "r", *, direct: bool = True,
                 direct, allow_buffered)
 
 
-def stats() -> dict[str, int]:
-    """Counters of :func:`default_engine` (bytes by path: direct, bounce, page cache)."""
+def stats() -> dict[str, Any]:
+    """Counters of :func:`default_engine` (bytes by path: direct, bounce, page cache;
+    ``backend`` and ``backend_reason`` are strings)."""
     return default_engine().stats()
 
 
-def info(path: str | os.PathLike = ".") -> dict[str, Any]:
+def info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
     """What this machine offers phx, and why a path is unavailable (see ``phx info``)."""
     from phx.probe import gather
     return gather(path)

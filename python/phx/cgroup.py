@@ -230,7 +230,7 @@ def _level(version: int, d: str) -> CgroupLevel | None:
     if version == 1:
         limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
         usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
-        high = UNLIMITED
+        high: int | None = UNLIMITED
         peak = _read_int(os.path.join(d, "memory.max_usage_in_bytes"))
     else:
         limit = _read_int(os.path.join(d, "memory.max"))

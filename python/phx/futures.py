@@ -91,7 +91,7 @@ class PoolFuture(PhxFuture):
     all its bytes (its integer result) went by ``path``; ``path=None`` for
     work that moves none (``phx.loader.prepare``)."""
 
-    def __init__(self, cf: concurrent.futures.Future, path: str | None = "direct"):
+    def __init__(self, cf: concurrent.futures.Future[Any], path: str | None = "direct"):
         self._cf, self._path = cf, path
 
     def done(self) -> bool:
@@ -171,7 +171,11 @@ async def wait_async(fut: Any) -> Any:
         woken = loop.create_future()
 
         def wake(_: Any) -> None:
-            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            def settle() -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            loop.call_soon_threadsafe(settle)
 
         add_done_callback(fut, wake)
         await woken

@@ -52,7 +52,14 @@ import os
 import sys
 import threading
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from phx import Engine
+    from phx._typing import BufferLike, DeviceBuffer, HostBuffer
 
 __all__ = [
     "CopyStream", "GPUBatch", "GPUFuture", "PinnedMemory", "StreamOp", "context",
@@ -66,7 +73,8 @@ try:
     from phx._lib import cuda as _cuda
     _IMPORT_ERROR: str | None = None
 except ImportError as e:  # built without the GPU module
-    _cuda = None
+    # None only where is_available() says so: _require() guards every use
+    _cuda = None  # type: ignore[assignment]
     _IMPORT_ERROR = f"phx was built without its GPU module: {e}"
 
 try:
@@ -74,16 +82,17 @@ try:
     from phx._lib.engine import File as _File
     from phx._lib.engine import is_device_buffer as _is_device_buffer
 except ImportError:  # the core is missing: only is_available() is useful
-    BufferNotContiguousError = BufferReadOnlyError = ValueError  # type: ignore
-    _File = None  # type: ignore
-    _is_device_buffer = None
+    # stand-ins of the compiled names, which the checker knows from the stubs
+    BufferNotContiguousError = BufferReadOnlyError = ValueError  # type: ignore[misc, assignment]
+    _File = None  # type: ignore[misc, assignment]
+    _is_device_buffer = None  # type: ignore[assignment]
 
 from phx.futures import PATHS, PhxFuture, empty_paths
 
 _avail: tuple[bool, str] | None = None
 _lock = threading.Lock()
-_contexts: dict[tuple[int, int], Any] = {}
-_pending: deque = deque()
+_contexts: dict[tuple[int, int], _Holder] = {}
+_pending: deque[_cuda.IO] = deque()
 
 
 def is_available() -> tuple[bool, str]:
@@ -97,7 +106,7 @@ def is_available() -> tuple[bool, str]:
     return _avail
 
 
-def is_device_buffer(buf) -> bool:
+def is_device_buffer(buf: object) -> bool:
     """True for GPU memory (CUDA torch tensors, ``__cuda_array_interface__``,
     DLPack on a CUDA device)."""
     # the interfaces first: some GPU arrays (CuPy) also fill the buffer slot
@@ -130,12 +139,13 @@ def _require() -> None:
 class _View:
     __slots__ = ("ptr", "nbytes", "device", "keep", "stream", "readonly")
 
-    def __init__(self, ptr, nbytes, device, keep, stream, readonly=False):
+    def __init__(self, ptr: int, nbytes: int, device: int, keep: object, stream: int,
+                 readonly: bool = False) -> None:
         self.ptr, self.nbytes, self.device = int(ptr), int(nbytes), int(device)
         self.keep, self.stream, self.readonly = keep, stream, readonly
 
 
-def _c_contiguous(shape, strides, itemsize) -> bool:
+def _c_contiguous(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int) -> bool:
     if strides is None:
         return True
     expect = itemsize
@@ -146,7 +156,7 @@ def _c_contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
-def _view(buf, path=None) -> _View:
+def _view(buf: Any, path: object = None) -> _View:
     """Address, size, device and producer stream of a GPU buffer."""
     t = sys.modules.get("torch")
     if t is not None and isinstance(buf, t.Tensor):
@@ -189,7 +199,7 @@ def _view(buf, path=None) -> _View:
                     "__cuda_array_interface__ or DLPack)")
 
 
-def _stream_handle(stream, view: _View | None = None) -> int:
+def _stream_handle(stream: Any, view: _View | None = None) -> int:
     """A CUstream int from None / int / torch / cupy / __cuda_stream__ objects."""
     if stream is None:
         return int(view.stream) if view is not None and view.stream else 0
@@ -209,7 +219,7 @@ def _stream_handle(stream, view: _View | None = None) -> int:
 # Contexts (one per engine and device)
 # ---------------------------------------------------------------------------
 
-def context(engine=None, device: int = 0, **config):
+def context(engine: Engine | None = None, device: int = 0, **config: Any) -> _cuda.Context:
     """The staging context of ``engine`` (default: phx's default engine) on
     ``device``, created on first use.  ``config`` (lanes, bufs_per_lane,
     buf_size, max_io_size, memops, batch_copy, fixed_bufs, early_reads) applies when it
@@ -235,14 +245,20 @@ def context(engine=None, device: int = 0, **config):
             _contexts.pop(key, None)
             ctx = None
         if ctx is None:
-            ctx = _cuda.Context(engine, device, **_with_defaults(device, config))
+            new_ctx = _cuda.Context(engine, device, **_with_defaults(device, config))
             import weakref
+
+            def gone(_r: object, k: tuple[int, int] = key) -> None:
+                _drop(k)
+            ref: Callable[[], object]
             try:
-                ref = weakref.ref(engine, lambda _r, k=key: _drop(k))
+                ref = weakref.ref(engine, gone)
             except TypeError:
-                ref = (lambda e=engine: e)
-            _contexts[key] = _Holder(ctx, ref)
-            return ctx
+                def strong(e: Engine = engine) -> object:
+                    return e
+                ref = strong
+            _contexts[key] = _Holder(new_ctx, ref)
+            return new_ctx
         return ctx.ctx
 
 
@@ -261,7 +277,7 @@ def stream_ops_status(device: int = 0) -> tuple[bool, str]:
         ctx.close()
 
 
-def _with_defaults(device: int, config: dict) -> dict:
+def _with_defaults(device: int, config: dict[str, Any]) -> dict[str, Any]:
     """``config`` completed by the tuned choice for ``device`` where neither
     it nor a PHX_CUDA_* variable sets a value."""
     try:
@@ -281,22 +297,22 @@ def _with_defaults(device: int, config: dict) -> dict:
 class _Holder:
     __slots__ = ("ctx", "_engine_ref")
 
-    def __init__(self, ctx, ref):
+    def __init__(self, ctx: _cuda.Context, ref: Callable[[], object]) -> None:
         self.ctx, self._engine_ref = ctx, ref
 
     @property
-    def pid(self):
+    def pid(self) -> int:
         return self.ctx.pid
 
 
-def _drop(key) -> None:
+def _drop(key: tuple[int, int]) -> None:
     with _lock:
         h = _contexts.pop(key, None)
     if h is not None:
         h.ctx.close()
 
 
-def _ctx_for(file, view: _View):
+def _ctx_for(file: _File, view: _View) -> _cuda.Context:
     return context(file.engine, view.device)
 
 
@@ -310,9 +326,9 @@ class GPUFuture(PhxFuture):
 
     __slots__ = ("_h", "_res")
 
-    def __init__(self, h):
+    def __init__(self, h: _cuda.IO) -> None:
         self._h = h
-        self._res = None
+        self._res: int | None = None
 
     def done(self) -> bool:
         return self._h.done()
@@ -328,7 +344,7 @@ class GPUFuture(PhxFuture):
             return empty_paths()
         return {k: self._h.by_path[k] for k in PATHS}
 
-    def by_path(self) -> dict:
+    def by_path(self) -> dict[str, int]:
         """Deprecated: :meth:`bytes_by_path` (the same counts, without ``paths``)."""
         _deprecated("GPUFuture.by_path()", "bytes_by_path()")
         return self._h.by_path
@@ -344,7 +360,7 @@ class StreamOp(PhxFuture):
 
     __slots__ = ("_h",)
 
-    def __init__(self, h):
+    def __init__(self, h: _cuda.IO) -> None:
         self._h = h
 
     @property
@@ -362,7 +378,7 @@ class StreamOp(PhxFuture):
             return empty_paths()
         return {k: self._h.by_path[k] for k in PATHS}
 
-    def by_path(self) -> dict:
+    def by_path(self) -> dict[str, int]:
         """Deprecated: :meth:`bytes_by_path`."""
         _deprecated("StreamOp.by_path()", "bytes_by_path()")
         return self._h.by_path
@@ -377,12 +393,16 @@ def _deprecated(old: str, new: str) -> None:
                   DeprecationWarning, stacklevel=3)
 
 
-def _buffer_first(name: str, reqs: bool = False):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _buffer_first(name: str, reqs: bool = False) -> Callable[[_F], _F]:
     """Calls take ``(buffer, file, offset)``, like every phx call; the old
     ``(file, buffer, offset)`` order still works for one release, with a
-    DeprecationWarning (told apart by the first argument being a phx File)."""
-    def wrap(fn):
-        def call(first, second, *args, **kw):
+    DeprecationWarning (told apart by the first argument being a phx File).
+    (Typed as the new order only.)"""
+    def wrap(fn: _F) -> _F:
+        def call(first: Any, second: Any, *args: Any, **kw: Any) -> Any:
             if _is_file(first) and not _is_file(second):
                 _deprecated(f"{name}(file, {'reqs' if reqs else 'buf'}, ...)",
                             f"{name}({'reqs' if reqs else 'buf'}, file, ...)")
@@ -391,8 +411,8 @@ def _buffer_first(name: str, reqs: bool = False):
         call.__name__ = fn.__name__
         call.__qualname__ = fn.__qualname__
         call.__doc__ = fn.__doc__
-        call.__wrapped__ = fn  # type: ignore[attr-defined]
-        return call
+        call.__wrapped__ = fn  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
+        return cast(_F, call)
     return wrap
 
 
@@ -403,7 +423,7 @@ def _is_file(obj: Any) -> bool:
 _pending_lock = threading.Lock()
 
 
-def _keep(h) -> None:
+def _keep(h: _cuda.IO) -> None:
     """Hold a stream op's handle until it is done (its memory is the
     request's); threads submitting at once share the queue, hence the lock."""
     with _pending_lock:
@@ -412,7 +432,8 @@ def _keep(h) -> None:
         _pending.append(h)
 
 
-def _submit(file, buf, offset, write, stream_mode, stream=None):
+def _submit(file: _File, buf: Any, offset: int, write: bool, stream_mode: bool,
+            stream: Any = None) -> _cuda.IO:
     _require()
     if offset < 0:
         raise OSError(22, "negative offset", getattr(file, "path", None))
@@ -437,25 +458,25 @@ def _submit(file, buf, offset, write, stream_mode, stream=None):
 # ---------------------------------------------------------------------------
 
 @_buffer_first("pread")
-def pread(buf, file, offset: int = 0) -> int:
+def pread(buf: DeviceBuffer, file: _File, offset: int = 0) -> int:
     """Read ``buf``'s size at ``offset`` into GPU memory; bytes read (short at EOF)."""
     return GPUFuture(_submit(file, buf, offset, False, False)).result()
 
 
 @_buffer_first("pwrite")
-def pwrite(buf, file, offset: int = 0) -> int:
+def pwrite(buf: DeviceBuffer, file: _File, offset: int = 0) -> int:
     """Write the GPU buffer at ``offset``; bytes written."""
     return GPUFuture(_submit(file, buf, offset, True, False)).result()
 
 
 @_buffer_first("pread_async")
-def pread_async(buf, file, offset: int = 0) -> GPUFuture:
+def pread_async(buf: DeviceBuffer, file: _File, offset: int = 0) -> GPUFuture:
     """:func:`pread` started: a :class:`GPUFuture`."""
     return GPUFuture(_submit(file, buf, offset, False, False))
 
 
 @_buffer_first("pwrite_async")
-def pwrite_async(buf, file, offset: int = 0) -> GPUFuture:
+def pwrite_async(buf: DeviceBuffer, file: _File, offset: int = 0) -> GPUFuture:
     """:func:`pwrite` started: a :class:`GPUFuture`."""
     return GPUFuture(_submit(file, buf, offset, True, False))
 
@@ -466,9 +487,9 @@ class GPUBatch(PhxFuture):
 
     __slots__ = ("_b", "_res")
 
-    def __init__(self, b):
+    def __init__(self, b: _cuda.Batch | _EmptyBatch) -> None:
         self._b = b
-        self._res = None
+        self._res: list[int] | None = None
 
     def done(self) -> bool:
         return self._b.done()
@@ -486,7 +507,7 @@ class GPUBatch(PhxFuture):
         return self._b.eventfd()
 
 
-def _batch(file, views, offsets, write: bool) -> GPUBatch:
+def _batch(file: _File, views: list[_View], offsets: list[int], write: bool) -> GPUBatch:
     _require()
     if not views:
         return GPUBatch(_EmptyBatch())
@@ -507,48 +528,49 @@ def _batch(file, views, offsets, write: bool) -> GPUBatch:
 
 
 class _EmptyBatch:
-    by_path = {"direct": 0, "bounce": 0, "page_cache": 0}
+    by_path: dict[str, int] = {"direct": 0, "bounce": 0, "page_cache": 0}
 
-    def done(self):
+    def done(self) -> bool:
         return True
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> list[int]:
         return []
 
-    def check(self, res):
+    def check(self, res: list[int]) -> list[int]:
         return res
 
-    def eventfd(self):
+    def eventfd(self) -> None:
         return None
 
 
 @_buffer_first("pread_batch", reqs=True)
-def pread_batch(reqs, file) -> list[int]:
+def pread_batch(reqs: Sequence[tuple[DeviceBuffer, int]], file: _File) -> list[int]:
     """Read ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
     return pread_batch_async(reqs, file).result()
 
 
 @_buffer_first("pwrite_batch", reqs=True)
-def pwrite_batch(reqs, file) -> list[int]:
+def pwrite_batch(reqs: Sequence[tuple[DeviceBuffer, int]], file: _File) -> list[int]:
     """Write ``[(gpu_buf, offset), ...]`` with one submission; bytes per request."""
     return pwrite_batch_async(reqs, file).result()
 
 
 @_buffer_first("pread_batch_async", reqs=True)
-def pread_batch_async(reqs, file) -> GPUBatch:
+def pread_batch_async(reqs: Sequence[tuple[DeviceBuffer, int]], file: _File) -> GPUBatch:
     """:func:`pread_batch` started: a :class:`GPUBatch`."""
     path = getattr(file, "path", None)
     return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], False)
 
 
 @_buffer_first("pwrite_batch_async", reqs=True)
-def pwrite_batch_async(reqs, file) -> GPUBatch:
+def pwrite_batch_async(reqs: Sequence[tuple[DeviceBuffer, int]], file: _File) -> GPUBatch:
     """:func:`pwrite_batch` started: a :class:`GPUBatch`."""
     path = getattr(file, "path", None)
     return _batch(file, [_view(b, path) for b, _ in reqs], [o for _, o in reqs], True)
 
 
-def _chunks(file, buf, file_offsets, buf_offsets, sizes, write: bool) -> GPUBatch:
+def _chunks(file: _File, buf: Any, file_offsets: npt.ArrayLike, buf_offsets: npt.ArrayLike,
+            sizes: npt.ArrayLike, write: bool) -> GPUBatch:
     """N ranges of ``file`` <-> N places of one GPU buffer, one submission."""
     _require()
     import numpy as np
@@ -572,27 +594,31 @@ def _chunks(file, buf, file_offsets, buf_offsets, sizes, write: bool) -> GPUBatc
 
 
 @_buffer_first("read_chunks_async")
-def read_chunks_async(buf, file, file_offsets, buf_offsets, sizes) -> GPUBatch:
+def read_chunks_async(buf: DeviceBuffer, file: _File, file_offsets: npt.ArrayLike,
+                      buf_offsets: npt.ArrayLike, sizes: npt.ArrayLike) -> GPUBatch:
     """Read ``sizes[i]`` bytes at ``file_offsets[i]`` into ``buf`` at byte
     ``buf_offsets[i]``, for every i, with one submission."""
     return _chunks(file, buf, file_offsets, buf_offsets, sizes, False)
 
 
 @_buffer_first("write_chunks_async")
-def write_chunks_async(buf, file, file_offsets, buf_offsets, sizes) -> GPUBatch:
+def write_chunks_async(buf: DeviceBuffer, file: _File, file_offsets: npt.ArrayLike,
+                       buf_offsets: npt.ArrayLike, sizes: npt.ArrayLike) -> GPUBatch:
     """Write ``sizes[i]`` bytes of ``buf`` at byte ``buf_offsets[i]`` to
     ``file_offsets[i]``, for every i, with one submission."""
     return _chunks(file, buf, file_offsets, buf_offsets, sizes, True)
 
 
 @_buffer_first("read_chunks")
-def read_chunks(buf, file, file_offsets, buf_offsets, sizes) -> list[int]:
+def read_chunks(buf: DeviceBuffer, file: _File, file_offsets: npt.ArrayLike,
+                buf_offsets: npt.ArrayLike, sizes: npt.ArrayLike) -> list[int]:
     """:func:`read_chunks_async`, waited for: bytes per chunk (short at EOF)."""
     return read_chunks_async(buf, file, file_offsets, buf_offsets, sizes).result()
 
 
 @_buffer_first("write_chunks")
-def write_chunks(buf, file, file_offsets, buf_offsets, sizes) -> list[int]:
+def write_chunks(buf: DeviceBuffer, file: _File, file_offsets: npt.ArrayLike,
+                 buf_offsets: npt.ArrayLike, sizes: npt.ArrayLike) -> list[int]:
     """:func:`write_chunks_async`, waited for: bytes per chunk."""
     return write_chunks_async(buf, file, file_offsets, buf_offsets, sizes).result()
 
@@ -601,14 +627,14 @@ def write_chunks(buf, file, file_offsets, buf_offsets, sizes) -> list[int]:
 # Stream-ordered (cuFile-style)
 # ---------------------------------------------------------------------------
 
-def read_async(buf, file, offset: int = 0, stream=None) -> StreamOp:
+def read_async(buf: DeviceBuffer, file: _File, offset: int = 0, stream: Any = None) -> StreamOp:
     """Queue a read of ``buf``'s size at ``offset`` on ``stream`` (default:
     torch's current stream for torch tensors, else the legacy default
     stream).  Kernels queued on the stream afterwards see the data."""
     return StreamOp(_submit(file, buf, offset, False, True, stream))
 
 
-def write_async(buf, file, offset: int = 0, stream=None) -> StreamOp:
+def write_async(buf: DeviceBuffer, file: _File, offset: int = 0, stream: Any = None) -> StreamOp:
     """Queue a write of ``buf`` at ``offset`` on ``stream``: it sends what the
     kernels queued before it produced; later stream work runs once the bytes
     are in the file."""
@@ -626,7 +652,7 @@ class PinnedMemory:
     Pinned memory is what makes :class:`CopyStream` copies asynchronous, and it
     can also be an io_uring fixed buffer (``Engine.register_buffer``)."""
 
-    def __init__(self, buf, device: int = 0):
+    def __init__(self, buf: BufferLike, device: int = 0) -> None:
         _require()
         self.device = int(device)
         self._reg = _cuda.HostRegistration(buf, self.device)
@@ -650,17 +676,17 @@ class PinnedMemory:
     def __enter__(self) -> "PinnedMemory":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def pin(buf, device: int = 0) -> PinnedMemory:
+def pin(buf: BufferLike, device: int = 0) -> PinnedMemory:
     """Page-lock the host buffer ``buf`` (any contiguous buffer-protocol object)
     for copies to and from ``device``; see :class:`PinnedMemory`."""
     return PinnedMemory(buf, device)
 
 
-def _host_ptr(obj, nbytes: int | None, writable: bool, keep: list) -> tuple[int, int]:
+def _host_ptr(obj: Any, nbytes: int | None, writable: bool, keep: list[object]) -> tuple[int, int]:
     """(address, nbytes) of host memory: an int address (``nbytes`` needed), a
     contiguous CPU torch tensor or a buffer-protocol object (kept in ``keep``)."""
     if isinstance(obj, int):
@@ -700,18 +726,18 @@ class CopyStream:
     ``__cuda_array_interface__``, DLPack, or int device addresses.  Errors are
     ``OSError`` naming the driver call.  Any thread may use it (one at a time)."""
 
-    def __init__(self, device: int = 0):
+    def __init__(self, device: int = 0) -> None:
         _require()
         self.device = int(device)
         self._s = _cuda.Stream(self.device)
-        self._keep: list = []
+        self._keep: list[object] = []
 
     @property
     def handle(self) -> int:
         """The CUstream as an int (for torch.cuda.ExternalStream and the like)."""
         return self._s.handle
 
-    def _gpu(self, obj, nbytes: int | None) -> tuple[int, int | None]:
+    def _gpu(self, obj: Any, nbytes: int | None) -> tuple[int, int | None]:
         if isinstance(obj, int):
             return obj, nbytes
         v = _view(obj)
@@ -722,13 +748,14 @@ class CopyStream:
             raise ValueError(f"{nbytes} bytes do not fit the GPU buffer ({v.nbytes})")
         return v.ptr, v.nbytes if nbytes is None else nbytes
 
-    def after(self, stream=None) -> None:
+    def after(self, stream: Any = None) -> None:
         """Copies queued from now on wait for the work queued on ``stream`` now
         (a CUstream int, a torch/CuPy stream; None: the legacy default
         stream).  The host does not wait."""
         self._s.after(_stream_handle(stream))
 
-    def h2d(self, dst, src, nbytes: int | None = None) -> None:
+    def h2d(self, dst: int | DeviceBuffer, src: int | HostBuffer,
+            nbytes: int | None = None) -> None:
         """Queue a copy of host ``src`` into GPU ``dst`` (``nbytes``: default
         the whole of ``src``)."""
         d, dn = self._gpu(dst, nbytes)
@@ -738,7 +765,8 @@ class CopyStream:
             raise ValueError(f"{n} bytes do not fit the GPU buffer ({dn})")
         self._s.h2d(d, s, n)
 
-    def d2h(self, dst, src, nbytes: int | None = None) -> None:
+    def d2h(self, dst: int | HostBuffer, src: int | DeviceBuffer,
+            nbytes: int | None = None) -> None:
         """Queue a copy of GPU ``src`` into host ``dst`` (``nbytes``: default
         the whole of ``dst``)."""
         s, sn = self._gpu(src, nbytes)
@@ -765,7 +793,7 @@ class CopyStream:
     def __enter__(self) -> "CopyStream":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -773,7 +801,7 @@ class CopyStream:
 # Counters
 # ---------------------------------------------------------------------------
 
-def stats(engine=None, device: int | None = None) -> dict[str, int]:
+def stats(engine: Engine | None = None, device: int | None = None) -> dict[str, int]:
     """GPU counters summed over the contexts of ``engine`` (all engines if None)."""
     out: dict[str, int] = {}
     with _lock:
@@ -788,7 +816,7 @@ def stats(engine=None, device: int | None = None) -> dict[str, int]:
     return out
 
 
-def engine_stats(engine) -> dict[str, int]:
+def engine_stats(engine: Engine) -> dict[str, int]:
     """``gpu_``-prefixed counters for ``engine.stats()``; {} when it never did GPU I/O."""
     if _cuda is None:
         return {}

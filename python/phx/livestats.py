@@ -97,7 +97,8 @@ def _cstr(b: bytes) -> str:
     return b.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _read_slot(m: mmap.mmap, off: int, nvals: int) -> tuple | None:
+def _read_slot(m: mmap.mmap, off: int,
+               nvals: int) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
     """One slot read under its sequence count: (head fields, values) or None."""
     for _ in range(100):
         seq0 = struct.unpack_from("<Q", m, off)[0]
@@ -156,7 +157,7 @@ def read_file(path: str) -> Process | None:
             (_seq, state, kind, sid, created, updated, label), vals = got
             if state != 1 or kind >= len(kinds) or kinds[kind] is None:
                 continue
-            kname, names = kinds[kind]  # type: ignore[misc]
+            kname, names = kinds[kind]
             sources.append(Source(kname, _cstr(label), sid, path, created, updated,
                                   dict(zip(names, vals))))
     return Process(pid, _cstr(comm), _cstr(cmdline), [path], interval_ms, updated_ns,
@@ -173,7 +174,7 @@ def _alive(pid: int, path: str) -> bool:
     if len(h) < _HDR.size or h[:8] != MAGIC:
         return True                  # being made
     fields = _HDR.unpack(h)
-    return fields[11] == pid and _start_ticks(pid) == fields[13]
+    return bool(fields[11] == pid and _start_ticks(pid) == fields[13])
 
 
 def scan(directory: str | None = None, pid: int | None = None, *,

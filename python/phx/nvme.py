@@ -30,15 +30,18 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Sequence
 
 from phx._lib.nvme import Namespace, NvmeError, check, identify, status_str
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["Extent", "ExtentMap", "Namespace", "NvmeError", "check", "identify", "open",
            "probe", "status_str"]
 
 
-def open(path: str | os.PathLike, *, first_lba: int = 0, nr_lbas: int = 0,
+def open(path: str | os.PathLike[str], *, first_lba: int = 0, nr_lbas: int = 0,
          queue_depth: int | None = None, nr_queues: int | None = None,
          max_transfer: int | None = None, force: bool = False, fixed_buffers: bool = True,
          dsm: bool = True, readonly: bool = False) -> Namespace:
@@ -252,11 +255,11 @@ class ExtentMap:
                             f"{key!r}'s {e.length}-byte extent", self.ns.path)
         return e.offset + offset
 
-    def write(self, key: Hashable, buf, offset: int = 0) -> int:
+    def write(self, key: Hashable, buf: Buffer, offset: int = 0) -> int:
         """Write ``buf`` at byte ``offset`` of ``key``'s extent (LBA multiples)."""
         return self.ns.write(buf, self._span(key, memoryview(buf).nbytes, offset))
 
-    def read(self, key: Hashable, buf, offset: int = 0) -> int:
+    def read(self, key: Hashable, buf: Buffer, offset: int = 0) -> int:
         return self.ns.read(buf, self._span(key, memoryview(buf).nbytes, offset))
 
     def check(self) -> None:
@@ -291,7 +294,7 @@ def _generic_devices() -> list[str]:
         except OSError:
             pass
 
-    def key(p: str):
+    def key(p: str) -> list[int]:
         import re
         return [int(x) for x in re.findall(r"\d+", os.path.basename(p))]
     return sorted(out, key=key)

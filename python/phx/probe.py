@@ -4,6 +4,7 @@ Every entry carries ``available`` and a ``reason`` a person can act on.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -123,8 +124,8 @@ def _cuda() -> dict[str, Any]:
     try:
         from phx import gpu
     except ImportError:
-        gpu = None
-    if gpu is not None and hasattr(gpu, "is_available"):
+        return _no_gpu_path()
+    if hasattr(gpu, "is_available"):
         ok, why = gpu.is_available()
         out: dict[str, Any] = {"available": bool(ok), "reason": why}
         if ok:
@@ -140,6 +141,10 @@ def _cuda() -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - info must not fail on it
                 out["stream_ops"] = {"available": False, "reason": str(e)}
         return out
+    return _no_gpu_path()
+
+
+def _no_gpu_path() -> dict[str, Any]:
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as e:
@@ -171,10 +176,10 @@ def _nvme() -> list[dict[str, Any]]:
     return phx.nvme.probe()
 
 
-def gather(path: str | os.PathLike = ".") -> dict[str, Any]:
+def gather(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
     """Everything ``phx info`` reports, as a dict."""
     ml = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    info = {
+    info: dict[str, Any] = {
         "phx": phx.__version__,
         "kernel": platform.release(),
         "io_uring": _io_uring(),
@@ -212,7 +217,7 @@ def _print(d: dict[str, Any], indent: int = 0) -> None:
             print(" " * indent + f"{k}: {v}")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """The ``phx info`` command."""
     d = gather(args.path)
     if args.json:

@@ -13,13 +13,17 @@ shows the choice and why.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 1 << 20
 #: within this fraction of the best, the config that pins less wins
@@ -169,7 +173,7 @@ def _drop_caches() -> None:
         pass
 
 
-def _time_read(path: str, size: int, gpu, cfg: dict[str, int]) -> float:
+def _time_read(path: str, size: int, gpu: torch.Tensor, cfg: dict[str, int]) -> float:
     import phx
     import phx.gpu
     import torch
@@ -209,7 +213,7 @@ def tune(path: str = ".", size: int = 1 << 30, device: int = 0,
         f.flush()
         os.fsync(f.fileno())
     gpu = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         for cfg in _candidates(os.cpu_count() or 4):
             gbps = _time_read(scratch, size, gpu, cfg)
@@ -228,7 +232,11 @@ def tune(path: str = ".", size: int = 1 << 30, device: int = 0,
     for r in rows:
         r["median"] = statistics.median(r["gbps"])
     best = max(r["median"] for r in rows[:3])
-    pinned = lambda r: r["config"]["lanes"] * r["config"]["bufs_per_lane"] * r["config"]["buf_size"]  # noqa: E731
+
+    def pinned(r: dict[str, Any]) -> int:
+        c = r["config"]
+        return int(c["lanes"] * c["bufs_per_lane"] * c["buf_size"])
+
     good = [r for r in rows[:3] if r["median"] >= best * (1 - TOLERANCE)]
     pick = min(good, key=pinned)
     reason = (f"{pick['median']:.2f} GB/s, the least pinned memory ({pinned(pick) >> 20} MiB) "
@@ -250,7 +258,7 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """``phx tune [PATH]``."""
     path = args.path
     try:

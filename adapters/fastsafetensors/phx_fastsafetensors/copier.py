@@ -23,9 +23,11 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from fastsafetensors.copier.base import (CopierInterface, validated_byte_ranges,
                                          validated_chunk_allocation_size)
 from fastsafetensors.common import SafeTensorsMetadata
@@ -57,7 +59,7 @@ def note_identities() -> None:
     if getattr(func, "_phx", False):
         return
 
-    def from_fd(cls, fd, filename, *args, **kwargs):
+    def from_fd(cls: type[Any], fd: int, filename: str, *args: Any, **kwargs: Any) -> Any:
         before = FileIdentity.of(os.fstat(fd))
         md = func(cls, fd, filename, *args, **kwargs)
         # a file that changed while its header was read is refused now
@@ -65,12 +67,11 @@ def note_identities() -> None:
         setattr(md, _IDENT, before)
         return md
     from_fd.__doc__ = func.__doc__
-    wrapped = classmethod(from_fd)
-    wrapped.__func__._phx = True
-    SafeTensorsMetadata.from_fd = wrapped
+    from_fd._phx = True  # type: ignore[attr-defined]  # the mark idempotence looks for
+    SafeTensorsMetadata.from_fd = classmethod(from_fd)
 
 
-def identity_of(metadata) -> FileIdentity | None:
+def identity_of(metadata: Any) -> FileIdentity | None:
     """The identity noted for ``metadata``'s file, if any."""
     return getattr(metadata, _IDENT, None)
 
@@ -87,10 +88,10 @@ class _DeviceMemory:
                 "version": 3, "stream": None}
 
 
-class PhxCopier(CopierInterface):
+class PhxCopier(CopierInterface):  # type: ignore[misc]  # fastsafetensors is untyped
     """Reads one safetensors file into fastsafetensors' device buffer via phx."""
 
-    def __init__(self, metadata, device, framework):
+    def __init__(self, metadata: Any, device: Any, framework: Any) -> None:
         self.metadata = metadata
         self.device = device
         self.framework = framework
@@ -98,26 +99,27 @@ class PhxCopier(CopierInterface):
         self._names: set[str] | None = None
         self._alloc: int | None = None
         self._base = metadata.header_length
-        self._pending: tuple[Any, Any, np.ndarray] | None = None
+        self._pending: tuple[Any, Any, npt.NDArray[np.int64]] | None = None
 
-    def set_byte_ranges(self, byte_ranges):
+    def set_byte_ranges(self, byte_ranges: list[tuple[int, int]]) -> None:
         self.byte_ranges = validated_byte_ranges(self.metadata, byte_ranges)
 
-    def set_chunk(self, byte_ranges, names, allocation_size=None):
+    def set_chunk(self, byte_ranges: list[tuple[int, int]], names: Iterable[str],
+                  allocation_size: int | None = None) -> None:
         runs = validated_byte_ranges(self.metadata, byte_ranges)
         self.byte_ranges = runs
         self._names = set(names)
         self._alloc = validated_chunk_allocation_size(runs, allocation_size)
 
     @classmethod
-    def chunk_transient_multiplier(cls, paths) -> int:
+    def chunk_transient_multiplier(cls, paths: Any) -> int:
         return 1      # only the chunk's own buffer; staging is phx's fixed pool
 
     @classmethod
-    def fixed_device_overhead(cls, paths) -> int:
+    def fixed_device_overhead(cls, paths: Any) -> int:
         return 0      # phx's staging is pinned host memory
 
-    def submit_io(self, use_buf_register: bool, max_copy_block_size: int):
+    def submit_io(self, use_buf_register: bool, max_copy_block_size: int) -> Any:
         md = self.metadata
         runs = self.byte_ranges
         if runs is None:
@@ -143,6 +145,7 @@ class PhxCopier(CopierInterface):
             raise
         try:
             addr = gbuf.get_base_address()
+            handle: concurrent.futures.Future[Any] | phx.gpu.GPUBatch | None
             if not len(pieces):
                 handle = None
             elif self.device.type == DeviceType.CPU:
@@ -176,7 +179,8 @@ class PhxCopier(CopierInterface):
             raise OSError(5, f"short read: {int(got[i])} of {int(pieces[i, 2])} bytes at "
                           f"offset {int(pieces[i, 0])} (file truncated?)", self.metadata.src)
 
-    def wait_io(self, gbuf, dtype: DType = DType.AUTO, noalign: bool = False, owner=None):
+    def wait_io(self, gbuf: Any, dtype: DType = DType.AUTO, noalign: bool = False,
+                owner: Any = None) -> Any:
         self.finish_io()
         if self._names is None:
             return self.metadata.get_tensors(gbuf, self.device, self._base, dtype=dtype,
@@ -187,16 +191,17 @@ class PhxCopier(CopierInterface):
                                           names=self._names, owner=owner)
 
 
-def factory_for(name: str):
+def factory_for(name: str) -> Callable[..., Any]:
     """Register the phx factory under copier type ``name``."""
-    @register_copier_constructor(name, PhxCopier)
-    def new_phx_copier(device, **kwargs):
+    def new_phx_copier(device: Any, **kwargs: Any) -> Callable[[Any, Any, Any], PhxCopier]:
         # fastsafetensors' native helpers (its buffers, DLPack views) need the
         # GPU runtime loaded, which its own factories do first; so do we
         from fastsafetensors.copier.nogds import load_library_func
         load_library_func(kwargs.get("framework"))
 
-        def construct(metadata, device, framework):
+        def construct(metadata: Any, device: Any, framework: Any) -> PhxCopier:
             return PhxCopier(metadata, device, framework)
         return construct
-    return new_phx_copier
+    # (not as a decorator: fastsafetensors has no type information)
+    registered: Callable[..., Any] = register_copier_constructor(name, PhxCopier)(new_phx_copier)
+    return registered

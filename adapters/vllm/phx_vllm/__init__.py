@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 # a child of vLLM's logger: its handlers and level apply
 logger = logging.getLogger("vllm.phx_vllm")
@@ -36,17 +37,17 @@ def _register_unavailable(err: BaseException) -> None:
     why = f"{type(err).__name__}: {err}"
 
     @register_model_loader("phx")
-    class PhxUnavailable(BaseModelLoader):
+    class PhxUnavailable(BaseModelLoader):  # type: ignore[misc]  # vLLM is untyped here
         """Stands in for PhxModelLoader when it could not be imported."""
 
-        def __init__(self, load_config):
+        def __init__(self, load_config: Any) -> None:
             raise RuntimeError(f"load format phx is not available in this process: {why} "
                                "(see the phx warning logged at plugin load)")
 
-        def download_model(self, model_config):  # pragma: no cover - never constructed
+        def download_model(self, model_config: Any) -> None:  # pragma: no cover - never constructed
             raise NotImplementedError
 
-        def load_weights(self, model, model_config):  # pragma: no cover
+        def load_weights(self, model: Any, model_config: Any) -> None:  # pragma: no cover
             raise NotImplementedError
 
 

@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -49,8 +49,9 @@ from vllm.model_executor.model_loader.weight_utils import (
     filter_mm_encoder_only_safetensors_files, filter_safetensors_files_by_weight_name)
 
 from phx import loader as phx_loader
+from phx.futures import PoolFuture
 from phx.loader.plan import box_runs, merge_runs
-from phx_vllm.trace import TraceError, trace_uses
+from phx_vllm.trace import TraceError, Uses, trace_uses
 
 # under vLLM's logger, so that its handlers and level apply (a logger named
 # after this module would propagate to the unconfigured root and be dropped)
@@ -63,7 +64,8 @@ _VLLM_KEYS = {"enable_weights_track"}
 
 
 def _torch_dtype(safetensors_dtype: str) -> torch.dtype:
-    return getattr(torch, phx_loader.DTYPES[safetensors_dtype][1])
+    dt: torch.dtype = getattr(torch, phx_loader.DTYPES[safetensors_dtype][1])
+    return dt
 
 
 @dataclasses.dataclass
@@ -93,8 +95,10 @@ class SourcePlan:
 
 
 @register_model_loader("phx")
-class PhxModelLoader(DefaultModelLoader):
+class PhxModelLoader(DefaultModelLoader):  # type: ignore[misc]  # vLLM is untyped here
     """Safetensors checkpoints through phx, each rank reading its part."""
+
+    counter_before_loading_weights: float     # DefaultModelLoader's
 
     def __init__(self, load_config: LoadConfig):
         extra = load_config.model_loader_extra_config or {}
@@ -119,21 +123,22 @@ class PhxModelLoader(DefaultModelLoader):
         super().__init__(self._st_config)
         self.load_config = load_config
         self.extra = {k: v for k, v in extra.items() if k in _KEYS}
-        self._prepared = None           # create_model()'s head start on the staging
+        # create_model()'s head start on the staging
+        self._prepared: PoolFuture | None = None
         self._slicing = False           # set while load_weights runs (not for a reload)
         self.plans: list[SourcePlan] = []
         self.stats: list[phx_loader.LoadStats] = []
 
     # -- vLLM's DefaultModelLoader, with the safetensors view of the config --
 
-    def _prepare_weights(self, *args: Any, **kwargs: Any):
+    def _prepare_weights(self, *args: Any, **kwargs: Any) -> Any:
         real, self.load_config = self.load_config, self._st_config
         try:
             return super()._prepare_weights(*args, **kwargs)
         finally:
             self.load_config = real
 
-    def create_model(self, vllm_config, model_config: ModelConfig, prefix: str = ""):
+    def create_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> Any:
         """vLLM's model construction, with phx's staging context made meanwhile
         on another thread (:func:`phx.loader.prepare`), so its start-up is not
         part of the load.  Best effort: a failure here is the load's to report."""
@@ -201,7 +206,9 @@ class PhxModelLoader(DefaultModelLoader):
                       _torch_dtype(p.checkpoint.tensors[n].dtype))
                      for p in plans for n in p.names]
             try:
-                uses = trace_uses(model.load_weights, model, specs)
+                load = cast("Callable[[Iterable[tuple[str, torch.Tensor]]], Any]",
+                            model.load_weights)
+                uses = trace_uses(load, model, specs)
             except TraceError as e:
                 why = f"the dry run of the model's load_weights failed ({e})"
             else:
@@ -219,7 +226,7 @@ class PhxModelLoader(DefaultModelLoader):
         return None
 
     @staticmethod
-    def _apply(plans: list[SourcePlan], uses) -> None:
+    def _apply(plans: list[SourcePlan], uses: dict[str, Uses]) -> None:
         for p in plans:
             keep, partial = [], {}
             for n in p.names:

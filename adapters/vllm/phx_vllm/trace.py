@@ -34,7 +34,7 @@ takes the same slices.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ _SAME = {"contiguous", "clone", "detach", "float", "half", "bfloat16", "double",
 _SAME_ATTRS = {"data"}
 
 
-def _name(func) -> str:
+def _name(func: Any) -> str:
     n = getattr(func, "__name__", "")
     if n in ("__get__", "__set__", "__delete__"):
         owner = getattr(func, "__self__", None)
@@ -91,7 +91,7 @@ def _name(func) -> str:
     return n.split(".")[0]      # OpOverload "copy_.default"
 
 
-def _mutates(name: str, kwargs: dict) -> bool:
+def _mutates(name: str, kwargs: dict[str, Any]) -> bool:
     if "." in name:                     # an attribute: "data.__set__" writes, a getter not
         return name.endswith((".__set__", ".__delete__"))
     if name in ("__setitem__", "set_"):
@@ -101,7 +101,7 @@ def _mutates(name: str, kwargs: dict) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def _flat(x: Any, out: list) -> list:
+def _flat(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         out.append(x)
     elif isinstance(x, (list, tuple)):
@@ -189,7 +189,8 @@ class _Tracer(TorchFunctionMode):
                 d += 1
         return w
 
-    def _view_result(self, name: str, v: _View, x: torch.Tensor, args, kwargs):
+    def _view_result(self, name: str, v: _View, x: torch.Tensor, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
         """(result, its views) for a view operation on ``x``, or None when
         ``name`` is not one that is followed."""
         nd = x.dim()
@@ -249,12 +250,12 @@ class _Tracer(TorchFunctionMode):
             return _same(name, x, args, kwargs), _View(v.name, list(v.box), list(v.dims))
         return None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
         tensors = _flat((args, kwargs), [])
-        views = [(t, self.view_of(t)) for t in tensors]
-        views = [(t, v) for t, v in views if v is not None]
+        views = [(t, v) for t in tensors if (v := self.view_of(t)) is not None]
         if _mutates(name, kwargs):
             dest = kwargs.get("out", args[0] if args else None)
             if isinstance(dest, torch.Tensor) and not dest.is_meta:
@@ -269,7 +270,7 @@ class _Tracer(TorchFunctionMode):
             return func(*args, **kwargs)
         if not views:
             return func(*args, **kwargs)
-        first = args[0] if args else None
+        first: Any = args[0] if args else None
         v0 = self.view_of(first)
         if v0 is not None and name in ("item", "tolist"):
             # a value (a scalar scale filled into a parameter): the tensor is
@@ -292,11 +293,12 @@ class _Tracer(TorchFunctionMode):
         return res
 
 
-def _call(name: str, x: torch.Tensor, args, kwargs):
+def _call(name: str, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return getattr(torch.Tensor, name)(x, *args[1:], **kwargs)
 
 
-def _same(name: str, x: torch.Tensor, args, kwargs) -> torch.Tensor:
+def _same(name: str, x: torch.Tensor, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> torch.Tensor:
     """The result of a same-elements operation, kept on the meta device
     (a meta tensor cannot be moved to a real device)."""
     if name in (a + ".__get__" for a in _SAME_ATTRS) or name in ("cpu", "cuda", "pin_memory",
@@ -336,7 +338,7 @@ def trace_uses(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
     before = _state(model)
     mode = _Tracer(uses)
 
-    def feed():
+    def feed() -> Iterator[tuple[str, torch.Tensor]]:
         for n, s, dt in specs:
             t = torch.empty(s, dtype=dt, device="meta")
             yield n, mode.track(t, _View(n, [(0, k) for k in s], list(range(len(s)))))

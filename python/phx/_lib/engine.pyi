@@ -27,8 +27,10 @@ class _CudaArrayLike(Protocol):
 class _DLPackLike(Protocol):
     def __dlpack_device__(self) -> tuple[int, int]: ...
 
-_HostBuffer: TypeAlias = Buffer | _TensorLike
-_AnyBuffer: TypeAlias = Buffer | _TensorLike | _CudaArrayLike | _DLPackLike
+# (numpy's stubs call an ndarray a Buffer only from Python 3.12 on)
+_HostBuffer: TypeAlias = Buffer | npt.NDArray[Any] | _TensorLike
+_DeviceBuffer: TypeAlias = _TensorLike | _CudaArrayLike | _DLPackLike
+_AnyBuffer: TypeAlias = _HostBuffer | _CudaArrayLike | _DLPackLike
 
 __version__: Final[str]
 

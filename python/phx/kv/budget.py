@@ -22,9 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # phx.cgroup is the one reader; its names stay importable from here
-from phx.cgroup import (UNLIMITED, CgroupLevel, CgroupMemory, parse_memory_stat,  # noqa: F401
-                        parse_proc_cgroup)
-from phx.cgroup import memory as cgroup_memory
+from phx.cgroup import UNLIMITED as UNLIMITED
+from phx.cgroup import CgroupLevel as CgroupLevel
+from phx.cgroup import CgroupMemory as CgroupMemory
+from phx.cgroup import memory as _cgroup_memory
+from phx.cgroup import parse_memory_stat as parse_memory_stat
+from phx.cgroup import parse_proc_cgroup as parse_proc_cgroup
+
+cgroup_memory = _cgroup_memory
 
 MiB = 1 << 20
 
@@ -78,7 +83,7 @@ class Budget:
                          f"(inactive file {b.inactive_file / MiB:.1f} MiB, "
                          f"mapped {b.mapped_file / MiB:.1f} MiB: not counted as free)")
             lines.append(f"  + own Group 1 pages   {min(self.own, b.usage) / MiB:12.1f} MiB")
-            lines.append(f"  = headroom            {self.cgroup_headroom / MiB:12.1f} MiB")
+            lines.append(f"  = headroom            {(self.cgroup_headroom or 0) / MiB:12.1f} MiB")
         lines.append(f"headroom (the smaller)  {self.headroom / MiB:12.1f} MiB")
         lines.append(f"- pinned copy buffers   {self.pinned / MiB:12.1f} MiB")
         lines.append(f"- reserve               {self.reserve / MiB:12.1f} MiB")
@@ -88,7 +93,7 @@ class Budget:
             lines.append(f"= B_pc                  {self.bytes / MiB:12.1f} MiB")
         return "\n".join(lines)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int | str | None]:
         b = self.cgroup.binding if self.cgroup else None
         return {
             "mem_available": self.mem_available,

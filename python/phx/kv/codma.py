@@ -32,9 +32,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from phx.kv import _sys
+
+if TYPE_CHECKING:
+    from phx import Engine
+    from phx.gpu import CopyStream, PinnedMemory, _View
 
 
 class CudaError(OSError, RuntimeError):
@@ -52,7 +56,7 @@ def _cuda_errors() -> Iterator[None]:
         raise CudaError(e.errno, e.strerror) from e
 
 
-def gpu_view(obj: Any):
+def gpu_view(obj: Any) -> _View | None:
     """phx.gpu's view (ptr, nbytes, device, producer stream) of a GPU buffer, or None
     for host memory."""
     import phx.gpu
@@ -72,7 +76,7 @@ class Relay:
     io_uring fixed buffers.
     """
 
-    def __init__(self, nbytes: int, device: int | None = None, engine=None):
+    def __init__(self, nbytes: int, device: int | None = None, engine: Engine | None = None):
         self.nbytes = int(nbytes)
         self.device = device
         self.buf = _sys.aligned_empty(max(self.nbytes, 1))
@@ -80,9 +84,9 @@ class Relay:
         self.h2d_bytes = self.d2h_bytes = 0
         self.h2d_s = self.d2h_s = 0.0
         self._addr = self.buf.ctypes.data
-        self._pin = None
-        self._copy = None
-        self._engine = None
+        self._pin: PinnedMemory | None = None
+        self._copy: CopyStream | None = None
+        self._engine: Engine | None = None
         if device is not None:
             import phx.gpu
             try:
@@ -106,22 +110,24 @@ class Relay:
         """The CUstream of this relay's copies (0 for a host relay)."""
         return self._copy.handle if self._copy is not None else 0
 
-    def _span(self, nbytes: int, offset: int) -> int:
-        if self._copy is None:
+    def _span(self, nbytes: int, offset: int) -> tuple[CopyStream, int]:
+        """The copy stream and the host address of ``buf[offset:offset+nbytes]``."""
+        copy = self._copy
+        if copy is None:
             raise ValueError("a host relay (device=None) makes no GPU copies")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.buf.nbytes:
             raise ValueError(f"[{offset}, {offset + nbytes}) is outside the relay "
                              f"({self.buf.nbytes} bytes)")
-        return self._addr + offset
+        return copy, self._addr + offset
 
     def to_device(self, ptr: int, nbytes: int, offset: int = 0) -> float:
         """Copy ``buf[offset:offset+nbytes]`` to GPU address ``ptr`` on this relay's
         stream and wait for it; returns the seconds it took."""
-        src = self._span(nbytes, offset)
+        copy, src = self._span(nbytes, offset)
         t0 = time.perf_counter()
         with _cuda_errors():
-            self._copy.h2d(ptr, src, nbytes)
-            self._copy.synchronize()
+            copy.h2d(ptr, src, nbytes)
+            copy.synchronize()
         dt = time.perf_counter() - t0
         self.h2d_s += dt
         self.h2d_bytes += nbytes
@@ -131,13 +137,13 @@ class Relay:
         """Copy ``nbytes`` at GPU address ``ptr`` into ``buf[offset:]`` once the work
         queued on stream ``after`` (the producer's; 0: the legacy default stream)
         is done; waits; seconds taken."""
-        dst = self._span(nbytes, offset)
+        copy, dst = self._span(nbytes, offset)
         t0 = time.perf_counter()
         with _cuda_errors():
             # ordered after the producer's kernels without blocking the host on them
-            self._copy.after(after or 0)
-            self._copy.d2h(dst, ptr, nbytes)
-            self._copy.synchronize()
+            copy.after(after or 0)
+            copy.d2h(dst, ptr, nbytes)
+            copy.synchronize()
         dt = time.perf_counter() - t0
         self.d2h_s += dt
         self.d2h_bytes += nbytes
@@ -168,7 +174,8 @@ class RelayPool:
         engine: phx engine to register the relays with (io_uring fixed buffers).
     """
 
-    def __init__(self, count: int, nbytes: int, device: int | None = None, engine=None):
+    def __init__(self, count: int, nbytes: int, device: int | None = None,
+                 engine: Engine | None = None):
         if count < 1:
             raise ValueError("a relay pool needs at least one relay")
         self.device = device
@@ -216,7 +223,7 @@ class RelayPool:
                 self._free.append(r)
                 self._cond.notify()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | float | None]:
         return {"relays": len(self.relays), "relay_bytes": self.nbytes,
                 "pinned_bytes": self.pinned_bytes if self.device is not None else 0,
                 "device": self.device,

@@ -26,13 +26,17 @@ import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
 from phx.futures import PoolFuture
 from phx.kv import _sys
 from phx.kv.slab import Extent, ExtentAllocator
+
+if TYPE_CHECKING:
+    from phx._typing import BufferLike
+    from phx.nvme import Namespace
 
 ENV = "PHX_KV_NVME"
 
@@ -51,7 +55,7 @@ class NvmeBackend:
     """
 
     def __init__(self, path: str | None = None, *, first_lba: int = 0, nr_lbas: int = 0,
-                 force: bool = False, namespace=None, **open_kw):
+                 force: bool = False, namespace: Namespace | None = None, **open_kw: Any):
         import phx.nvme
         if namespace is None:
             if path is None:
@@ -62,7 +66,7 @@ class NvmeBackend:
         else:
             self._own = False
         self.ns = namespace
-        self.path = namespace.path
+        self.path = os.fsdecode(namespace.path)
         self.alignment = namespace.lba_size
         self.alloc = ExtentAllocator(self.alignment, namespace.end - namespace.start,
                                      base=namespace.start)
@@ -84,14 +88,14 @@ class NvmeBackend:
         """LBAs have no page cache: (0, pages)."""
         return 0, (length + 4095) // 4096
 
-    def _pieces(self, n: int, offset: int):
+    def _pieces(self, n: int, offset: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """(head, middle, tail) byte ranges relative to the buffer."""
         a = self.alignment
         h = min(n, (-offset) % a)
         t = (n - h) % a
         return (0, h), (h, n - t), (n - t, n)
 
-    def read(self, buf, offset: int) -> None:
+    def read(self, buf: BufferLike, offset: int) -> None:
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
         if n == 0:
@@ -108,7 +112,7 @@ class NvmeBackend:
                 lo, blk = self._block_read(offset + s, offset + e)
                 mv[s:e] = blk[offset + s - lo:offset + e - lo]
 
-    def write(self, buf, offset: int) -> None:
+    def write(self, buf: BufferLike, offset: int) -> None:
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
         if n == 0:
@@ -144,7 +148,7 @@ class NvmeBackend:
             raise OSError(errno.EIO, f"short NVMe transfer: {got} of {want} bytes at {offset}",
                           self.path)
 
-    def write_async(self, buf, offset: int) -> PoolFuture:
+    def write_async(self, buf: BufferLike, offset: int) -> PoolFuture:
         """Start :meth:`write` on a worker thread; ``result()`` is the byte count."""
         with self._pool_lock:
             if self._pool is None:
@@ -152,15 +156,16 @@ class NvmeBackend:
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="phx-nvme")
         n = memoryview(buf).nbytes
 
-        def job():
+        def job() -> int:
             self.write(buf, offset)
             return n
         return PoolFuture(self._pool.submit(job), "direct")
 
-    def read_batch(self, items) -> None:
+    def read_batch(self, items: Iterable[tuple[BufferLike, int]]) -> None:
         """``[(buf, offset), ...]``: aligned ones in one submission, others one by one."""
         a = self.alignment
-        fast, slow = [], []
+        fast: list[tuple[memoryview, int]] = []
+        slow: list[tuple[memoryview, int]] = []
         for b, off in items:
             mv = memoryview(b).cast("B")
             (fast if off % a == 0 and mv.nbytes % a == 0 else slow).append((mv, off))
@@ -212,7 +217,7 @@ def from_env(env: str = ENV) -> NvmeBackend | None:
     if not spec:
         return None
     path, *opts = spec.split(",")
-    kw: dict = {}
+    kw: dict[str, Any] = {}
     for o in filter(None, opts):
         k, _, v = o.partition("=")
         if k == "force":

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -181,7 +181,7 @@ class AdaptivePipeline:
             total += nb
         return total
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         return {"choice": self.locked, "forced": self.forced is not None,
                 "probe": self.measured, "threads": self.threads,
                 "relays": self.pool.stats()}
@@ -194,7 +194,7 @@ class AdaptivePipeline:
     def __enter__(self) -> "AdaptivePipeline":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -28,10 +28,14 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 from phx.futures import DoneFuture, PhxFuture
 from phx.kv import _sys
+
+if TYPE_CHECKING:
+    from phx import Engine, File
+    from phx._typing import BufferLike
 
 
 def round_up(n: int, a: int) -> int:
@@ -165,10 +169,10 @@ class DirectBackend(Protocol):
     def materialize(self, ext: Extent) -> None:
         """Make ``ext`` backed by storage (first access)."""
 
-    def read(self, buf, offset: int) -> None:
+    def read(self, buf: BufferLike, offset: int) -> None:
         """Fill ``buf`` (buffer protocol) from ``offset``; short reads raise EIO."""
 
-    def write(self, buf, offset: int) -> None:
+    def write(self, buf: BufferLike, offset: int) -> None:
         """Write all of ``buf`` at ``offset``."""
 
     def discard(self, ext: Extent) -> None:
@@ -196,6 +200,9 @@ class _FileBackendBase:
     def bind(self, sizes: Sequence[int]) -> list[Extent]:
         return self.alloc.allocate_run(sizes)
 
+    def fileno(self) -> int:
+        raise NotImplementedError
+
     def cached_pages(self, offset: int, length: int) -> tuple[int, int]:
         return _sys.cached_pages(self.fileno(), offset, length)
 
@@ -219,54 +226,61 @@ class SlabBackend(_FileBackendBase):
     allocated (``fallocate``) when it is first touched, in first-access order.
     """
 
-    def __init__(self, path: str, capacity: int | None = None, engine=None):
+    def __init__(self, path: str, capacity: int | None = None, engine: Engine | None = None):
         import phx
         super().__init__(path, None)
-        self._f = phx.open(path, "w+", direct=True, engine=engine)
+        self._f: File | None = phx.open(path, "w+", direct=True, engine=engine)
         mem_align, off_align = getattr(self._f, "alignment", (4096, 4096))
         self.alignment = max(4096, int(off_align))
         self.alloc.alignment = self.alignment
         if capacity:
             cap = round_up(capacity, self.alignment)
-            _sys.fallocate(self._f.fileno(), 0, cap, 0, path)
+            _sys.fallocate(self._file.fileno(), 0, cap, 0, path)
             self._size = cap
             self._prealloc = cap
         else:
             self._prealloc = 0
 
+    @property
+    def _file(self) -> File:
+        f = self._f
+        if f is None:
+            raise ValueError(f"slab {self.path} is closed")
+        return f
+
     def fileno(self) -> int:
-        return self._f.fileno()
+        return self._file.fileno()
 
     def materialize(self, ext: Extent) -> None:
         if ext.start in self._materialized:
             return
         if ext.end > self._prealloc:
-            _sys.fallocate(self._f.fileno(), ext.start, ext.length, 0, self.path)
+            _sys.fallocate(self._file.fileno(), ext.start, ext.length, 0, self.path)
             self._size = max(self._size, ext.end)
         self._materialized.add(ext.start)
 
-    def read(self, buf, offset: int) -> None:
-        n = self._f.pread(buf, offset)
+    def read(self, buf: BufferLike, offset: int) -> None:
+        n = self._file.pread(buf, offset)
         want = memoryview(buf).nbytes
         if n != want:
             raise OSError(errno.EIO, f"short direct read: {n} of {want} bytes at {offset}",
                           self.path)
 
-    def write(self, buf, offset: int) -> None:
-        n = self._f.pwrite(buf, offset)
+    def write(self, buf: BufferLike, offset: int) -> None:
+        n = self._file.pwrite(buf, offset)
         want = memoryview(buf).nbytes
         if n != want:
             raise OSError(errno.EIO, f"short direct write: {n} of {want} bytes at {offset}",
                           self.path)
 
-    def write_async(self, buf, offset: int):
+    def write_async(self, buf: BufferLike, offset: int) -> _CheckedFuture:
         """Start writing all of ``buf`` at ``offset``; a future whose ``result()`` is bytes."""
-        return _CheckedFuture(self._f.pwrite_async(buf, offset), memoryview(buf).nbytes,
+        return _CheckedFuture(self._file.pwrite_async(buf, offset), memoryview(buf).nbytes,
                               offset, self.path)
 
-    def read_batch(self, items) -> None:
+    def read_batch(self, items: Sequence[tuple[BufferLike, int]]) -> None:
         """``[(buf, offset), ...]`` in one submission."""
-        got = self._f.pread_batch(list(items))
+        got = self._file.pread_batch(list(items))
         for (b, off), n in zip(items, got):
             if n != memoryview(b).nbytes:
                 raise OSError(errno.EIO, f"short direct read at {off}", self.path)
@@ -287,14 +301,14 @@ class SlabBackend(_FileBackendBase):
 class _CheckedFuture(PhxFuture):
     """A phx future whose result must be the whole request."""
 
-    def __init__(self, fut, want: int, offset: int, path: str):
+    def __init__(self, fut: PhxFuture, want: int, offset: int, path: str):
         self._fut, self._want, self._off, self._path = fut, want, offset, path
 
     def done(self) -> bool:
         return self._fut.done()
 
     def result(self, timeout: float | None = None) -> int:
-        n = self._fut.result(timeout)
+        n: int = self._fut.result(timeout)
         if n != self._want:
             raise OSError(errno.EIO, f"short direct write: {n} of {self._want} bytes at "
                           f"{self._off}", self._path)
@@ -330,7 +344,7 @@ class _WriteBehind:
 
     def __init__(self, fd: int, path: str):
         self._fd, self._path = fd, path
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._pending = 0
         self._thread: threading.Thread | None = None
@@ -409,7 +423,7 @@ class PageCacheBackend(_FileBackendBase):
             self._size = ext.end
         self._materialized.add(ext.start)
 
-    def read(self, buf, offset: int) -> None:
+    def read(self, buf: BufferLike, offset: int) -> None:
         mv = memoryview(buf).cast("B")
         done = 0
         while done < len(mv):
@@ -418,7 +432,7 @@ class PageCacheBackend(_FileBackendBase):
                 raise OSError(errno.EIO, f"short read at {offset + done}", self.path)
             done += n
 
-    def write(self, buf, offset: int) -> None:
+    def write(self, buf: BufferLike, offset: int) -> None:
         mv = memoryview(buf).cast("B")
         done = 0
         while done < len(mv):
@@ -439,7 +453,7 @@ class PageCacheBackend(_FileBackendBase):
         """``sync_file_range`` calls that failed (nothing is lost: see _WriteBehind)."""
         return self._behind.errors if self._behind is not None else 0
 
-    def write_async(self, buf, offset: int) -> DoneFuture:
+    def write_async(self, buf: BufferLike, offset: int) -> DoneFuture:
         """Buffered writes are a copy into the page cache: done on return."""
         self.write(buf, offset)
         return Done(memoryview(buf).nbytes)

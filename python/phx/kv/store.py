@@ -18,15 +18,22 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from phx.kv import _sys
 from phx.kv.nvme_backend import from_env as nvme_from_env
 from phx.kv.budget import Budget, MiB, cgroup_memory, measure_budget
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
 from phx.kv.slab import DirectBackend, Extent, PageCacheBackend, SlabBackend, round_up
+
+if TYPE_CHECKING:
+    from phx import Engine, PhxFuture
+    from phx.gpu import _View
+    from phx.kv.codma import RelayPool
+    from phx.kv.pipeline import CopyJob
 
 MODES = ("dual", "direct", "pagecache")
 GROUP_NAMES = {PAGECACHE: "pagecache", DIRECT: "direct", None: "unbound"}
@@ -43,7 +50,7 @@ def _itemsize(dtype: Any) -> tuple[int, bool]:
         raise
 
 
-def _byte_view(obj: Any, writable: bool) -> np.ndarray:
+def _byte_view(obj: Any, writable: bool) -> npt.NDArray[np.uint8]:
     """A flat uint8 numpy view of a contiguous numpy array or CPU torch tensor
     (GPU buffers are resolved by :func:`phx.kv.codma.gpu_view` before this)."""
     if isinstance(obj, np.ndarray):
@@ -59,7 +66,8 @@ def _byte_view(obj: Any, writable: bool) -> np.ndarray:
             raise ValueError(f"{obj.device} tensors are not supported (CPU or CUDA only)")
         if not obj.is_contiguous():
             raise ValueError("KV tensors must be contiguous")
-        return obj.detach().reshape(-1).view(torch.uint8).numpy()
+        out: npt.NDArray[np.uint8] = obj.detach().reshape(-1).view(torch.uint8).numpy()
+        return out
     mv = memoryview(obj)
     if not mv.c_contiguous:
         raise ValueError("KV buffers must be contiguous")
@@ -115,7 +123,7 @@ class Plan:
     def group_bytes(self, group: int) -> int:
         return sum(t.extent.length for t in self.tensors if t.group == group and t.extent)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "budget": self.budget.as_dict(),
@@ -202,8 +210,9 @@ class KVStore:
     def __init__(self, directory: str, *, mode: str = "dual", budget: int | None = None,
                  reserve: int | None = None, pinned_bytes: int = 0,
                  direct_backend: DirectBackend | None = None,
-                 slab_capacity: int | None = None, engine=None,
-                 device: int | None = None, copy_threads: int = 2, relays=None,
+                 slab_capacity: int | None = None, engine: Engine | None = None,
+                 device: int | None = None, copy_threads: int = 2,
+                 relays: RelayPool | None = None,
                  write_behind: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -226,7 +235,7 @@ class KVStore:
         self._closed = False
         self.device = device
         self.copy_threads = int(copy_threads)
-        self._relays = relays               # phx.kv.codma.RelayPool, made on demand
+        self._relays = relays               # made on demand
         self._own_relays = relays is None
         if relays is not None and device is None:
             self.device = relays.device
@@ -269,7 +278,7 @@ class KVStore:
         sizes = [t.nbytes for t in self._tensors.values()]
         return round_up(max(sizes), 4096) if sizes else 0
 
-    def relays(self, device: int | None = None):
+    def relays(self, device: int | None = None) -> RelayPool:
         """The store's :class:`~phx.kv.codma.RelayPool` (made on first use: pinned
         on ``device``, or host relays for ``device=None`` with no store device)."""
         from phx.kv.codma import RelayPool
@@ -294,7 +303,7 @@ class KVStore:
             return self._relays
 
     @property
-    def relay_pool(self):
+    def relay_pool(self) -> RelayPool | None:
         """The relay pool if made (None before the first GPU transfer)."""
         return self._relays
 
@@ -305,7 +314,7 @@ class KVStore:
         for t in list(self._tensors.values()):
             if t.group != PAGECACHE or not t.materialized or t.extent is None:
                 continue
-            if _sys.cachestat_available():
+            if _sys.cachestat_available() and self._pc is not None:
                 hit, _ = self._pc.cached_pages(t.extent.start, t.extent.length)
                 total += hit * _sys.PAGE
             else:
@@ -373,10 +382,10 @@ class KVStore:
                 os.path.join(self.directory, "kv-slab.bin"), self._slab_capacity, self._engine)
         return self._direct
 
-    def backend_of(self, t: KVTensor):
+    def backend_of(self, t: KVTensor) -> PageCacheBackend | DirectBackend | None:
         return self._pc if t.group == PAGECACHE else self._direct
 
-    def _ready(self, t: KVTensor):
+    def _ready(self, t: KVTensor) -> PageCacheBackend | DirectBackend:
         """Bind (plan) if needed and materialize on first access; the tensor's backend."""
         if t.freed:
             raise ValueError(f"{t} was freed")
@@ -386,14 +395,19 @@ class KVStore:
                 if t.group is None:
                     self.plan()
                 if not t.materialized:
-                    self.backend_of(t).materialize(t.extent)
+                    be, ext = self.backend_of(t), t.extent
+                    assert be is not None and ext is not None       # planned above
+                    be.materialize(ext)
                     t.materialized = True
-        return self.backend_of(t)
+        be = self.backend_of(t)
+        assert be is not None                   # bound
+        return be
 
     # -- I/O ----------------------------------------------------------------
     def _range(self, t: KVTensor, start: int, stop: int) -> tuple[int, int]:
         if not 0 <= start <= stop <= t.rows:
             raise IndexError(f"rows [{start}:{stop}] outside 0..{t.rows} of {t}")
+        assert t.extent is not None             # callers _ready() it first
         return t.extent.start + start * t.row_bytes, (stop - start) * t.row_bytes
 
     def write(self, t: KVTensor, start: int, src: Any) -> int:
@@ -424,7 +438,7 @@ class KVStore:
                              f"{t.row_bytes}-byte rows")
         return nbytes // t.row_bytes
 
-    def _write_gpu(self, t: KVTensor, start: int, g) -> int:
+    def _write_gpu(self, t: KVTensor, start: int, g: _View) -> int:
         n = self._rows_of(t, g.nbytes)
         be = self._ready(t)
         off, ln = self._range(t, start, start + n)
@@ -435,15 +449,15 @@ class KVStore:
                 be.write(r.buf[:k], off + pos)
         return n
 
-    def _read_gpu(self, t: KVTensor, off: int, ln: int, g) -> None:
-        be = self.backend_of(t)
+    def _read_gpu(self, t: KVTensor, off: int, ln: int, g: _View) -> None:
+        be = self._ready(t)
         with self.relays(g.device).acquire() as r:
             for pos in range(0, ln, r.nbytes):
                 k = min(r.nbytes, ln - pos)
                 be.read(r.buf[:k], off + pos)
                 r.to_device(g.ptr + pos, k)
 
-    def copy_job(self, t: KVTensor, start: int, stop: int, out: Any):
+    def copy_job(self, t: KVTensor, start: int, stop: int, out: Any) -> CopyJob:
         """A :class:`~phx.kv.CopyJob` for :class:`~phx.kv.AdaptivePipeline` built on
         this store's relays (``AdaptivePipeline(relays=store.relays(dev))``): its
         ``read`` fills the copy thread's relay from storage, its ``dma`` moves the
@@ -463,31 +477,31 @@ class KVStore:
         if nbytes != ln:
             raise ValueError(f"destination holds {nbytes} bytes, rows [{start}:{stop}] "
                              f"are {ln}")
-        be = self.backend_of(t)
+        be = self._ready(t)
         pool = self._relays
 
-        def read(relay_buf) -> int:
+        def read(relay_buf: npt.NDArray[np.uint8]) -> int:
             if ln > relay_buf.nbytes:
                 return 0                    # bigger than a relay: dma() moves it in pieces
             if ln:
                 be.read(relay_buf[:ln], off)
             return ln
 
-        def dma(relay_buf, nb: int) -> None:
+        def dma(relay_buf: npt.NDArray[np.uint8], nb: int) -> None:
             if nb == 0 and ln:
                 self.read(t, start, stop, out=out)
                 return
             if g is None:
                 np.copyto(dst, relay_buf[:nb])
             else:
-                r = pool.current()
+                r = pool.current() if pool is not None else None
                 if r is None or r.buf.ctypes.data != relay_buf.ctypes.data:
                     raise RuntimeError("copy_job needs a pipeline running on this "
                                        "store's relays (AdaptivePipeline(relays=...))")
                 r.to_device(g.ptr, nb)
         return CopyJob(read, dma)
 
-    def write_async(self, t: KVTensor, start: int, src: Any):
+    def write_async(self, t: KVTensor, start: int, src: Any) -> PhxFuture:
         """Start :meth:`write`; returns a future (``result()`` = bytes written).
 
         The direct path submits through phx and returns at once; the page-cache path
@@ -510,12 +524,13 @@ class KVStore:
         be = self._ready(t)
         off, ln = self._range(t, start, start + view.nbytes // t.row_bytes)
         if hasattr(be, "write_async") and ln:
-            return be.write_async(view, off)
+            fut: PhxFuture = be.write_async(view, off)
+            return fut
         if ln:
             be.write(view, off)
         return Done(ln)
 
-    def read(self, t: KVTensor, start: int = 0, stop: int | None = None, out: Any = None):
+    def read(self, t: KVTensor, start: int = 0, stop: int | None = None, out: Any = None) -> Any:
         """Read rows ``[start:stop]`` into ``out`` (allocated, aligned, when None); returns it.
 
         A CUDA ``out`` is filled storage -> this thread's pinned relay -> H2D on the
@@ -546,7 +561,7 @@ class KVStore:
             be.read(view, off)
         return out
 
-    def _empty(self, t: KVTensor, rows: int):
+    def _empty(self, t: KVTensor, rows: int) -> Any:
         shape = (rows,) + t.shape[1:]
         if t._torch:
             import torch
@@ -560,9 +575,10 @@ class KVStore:
         if t.extent is None or not t.materialized:
             return 0, 0
         off, ln = self._range(t, start, stop)
-        be = self.backend_of(t)
+        be = self._ready(t)
         if hasattr(be, "cached_pages"):
-            return be.cached_pages(off, ln)
+            pages: tuple[int, int] = be.cached_pages(off, ln)
+            return pages
         fd = be.fileno()       # a DirectBackend written before cached_pages existed
         if fd < 0:
             return 0, (ln + _sys.PAGE - 1) // _sys.PAGE
@@ -574,8 +590,9 @@ class KVStore:
         with self._lock:
             if t.freed:
                 return
-            if t.extent is not None:
-                self.backend_of(t).discard(t.extent)
+            be = self.backend_of(t)
+            if t.extent is not None and be is not None:
+                be.discard(t.extent)
             t.freed = True
             t.extent = None
             t.materialized = False
@@ -601,7 +618,7 @@ class KVStore:
     def __enter__(self) -> "KVStore":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.destroy()
 
     def _check_open(self) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from phx.futures import PoolFuture
 from phx.loader.checkpoint import Checkpoint, open_checkpoint
@@ -50,7 +50,7 @@ __all__ = [
 
 #: what ``iter_tensors`` and ``load_file`` take: a file, an index, a folder,
 #: a list of files, or a :class:`Checkpoint` already opened
-Source = "str | os.PathLike | Sequence[str | os.PathLike] | Checkpoint"
+Source: TypeAlias = "str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Checkpoint"
 
 GROUP_BYTES = 256 << 20
 INFLIGHT_BYTES = 1 << 30

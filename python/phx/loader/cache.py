@@ -52,6 +52,7 @@ def cachestat_pages(fd: int, size: int) -> int | None:
     global _cachestat_ok
     if not _cachestat_ok and _cachestat_ok is not None:
         return None
+    assert _NR_CACHESTAT is not None        # _cachestat_ok is False without it
     rng, st = _Range(0, size), _Stat()
     r = _libc.syscall(ctypes.c_long(_NR_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng),
                       ctypes.byref(st), ctypes.c_uint(0))

@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from phx.loader.format import CheckpointError, FileIdentity, Header, TensorInfo, read_header
 
@@ -25,7 +26,7 @@ class Checkpoint:
     files: list[Header]
     tensors: dict[str, TensorInfo]
     index_path: str | None = None
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +88,7 @@ def _resolve(path: str) -> tuple[list[str], str | None]:
     return [path], None
 
 
-def open_checkpoint(path: "str | os.PathLike | Sequence[str | os.PathLike]") -> Checkpoint:
+def open_checkpoint(path: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> Checkpoint:
     """Validate the checkpoint at ``path``: a file, an ``*.index.json``, a
     directory, or a list of safetensors files (taken as they are: no index)."""
     if isinstance(path, (list, tuple)):
@@ -98,7 +99,7 @@ def open_checkpoint(path: "str | os.PathLike | Sequence[str | os.PathLike]") -> 
             if not os.path.exists(p):
                 raise FileNotFoundError(2, "No such file or directory", p)
     else:
-        files, index = _resolve(os.fspath(path))
+        files, index = _resolve(os.fspath(cast("str | os.PathLike[str]", path)))
     headers = [read_header(p) for p in files]
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
@@ -106,20 +107,20 @@ def open_checkpoint(path: "str | os.PathLike | Sequence[str | os.PathLike]") -> 
             if t.name in tensors:
                 raise CheckpointError(h.path, f"also stored in {tensors[t.name].path}", t.name)
             tensors[t.name] = t
-    meta: dict = {}
+    meta: dict[str, Any] = {}
     if index is not None:
         with open(index) as f:
             doc = json.load(f)
         meta = doc.get("metadata") or {}
         for name, fname in doc["weight_map"].items():
-            t = tensors.get(name)
+            found = tensors.get(name)
             want = _inside(index, fname)
-            if t is None:
+            if found is None:
                 raise CheckpointError(want, f"the index {os.path.basename(index)} names it, "
                                       "but the shard has no such tensor", name)
-            if os.path.abspath(t.path) != os.path.abspath(want):
+            if os.path.abspath(found.path) != os.path.abspath(want):
                 raise CheckpointError(index, f"the index puts it in {fname}, but it is in "
-                                      f"{os.path.basename(t.path)}", name)
+                                      f"{os.path.basename(found.path)}", name)
     elif len(headers) == 1:
         meta = headers[0].metadata
     return Checkpoint(headers, tensors, index, meta)

@@ -130,7 +130,7 @@ def _read_exact(fd: int, n: int, off: int) -> bytes:
     return bytes(out)
 
 
-def read_header(path: str | os.PathLike) -> Header:
+def read_header(path: str | os.PathLike[str]) -> Header:
     """Parse and validate the header of the safetensors file at ``path``."""
     path = os.fspath(path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -40,15 +40,25 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from phx.loader.cache import resident_fraction
 from phx.loader.format import CheckpointError, FileIdentity, check_identity
 from phx.loader.plan import Job, Output
+
+if TYPE_CHECKING:
+    import torch
+
+    import phx.gpu
+    from phx import File
+
+#: rows of (file offset, buffer offset, size)
+_Pieces = npt.NDArray[np.int64]
 
 #: a file at least this much in the page cache is read buffered ("auto")
 WARM_FRACTION = 0.8
@@ -75,7 +85,7 @@ class LoadStats:
 class TensorStream(Iterator[tuple[str, Any]]):
     """The ``(name, tensor)`` iterator of a load, with its :class:`LoadStats`."""
 
-    def __init__(self, gen: Iterator[tuple[str, Any]], stats: LoadStats):
+    def __init__(self, gen: Generator[tuple[str, Any], None, None], stats: LoadStats):
         self._gen = gen
         self.stats = stats
 
@@ -100,15 +110,15 @@ class Backend:
         """A buffer of at least ``nbytes + alignment`` bytes and its address."""
         raise NotImplementedError
 
-    def submit(self, file, buf, pieces: np.ndarray) -> Any:
+    def submit(self, file: File, buf: Any, pieces: _Pieces) -> Any:
         """Start reading ``pieces`` (rows: file offset, buffer offset, size)."""
         raise NotImplementedError
 
-    def wait(self, handle) -> np.ndarray:
+    def wait(self, handle: Any) -> _Pieces:
         """Bytes moved by each piece."""
         raise NotImplementedError
 
-    def view(self, buf, addr: int, offset: int, out: Output) -> Any:
+    def view(self, buf: Any, addr: int, offset: int, out: Output) -> Any:
         """The tensor ``out`` at byte ``offset`` of ``buf`` (address ``addr``)."""
         raise NotImplementedError
 
@@ -116,7 +126,7 @@ class Backend:
         pass
 
 
-def _torch_dtype(name: str):
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     from phx.loader.format import DTYPES
@@ -124,10 +134,11 @@ def _torch_dtype(name: str):
     if dt is None:
         raise TypeError(f"this torch ({torch.__version__}) has no {DTYPES[name][1]} "
                         f"for safetensors dtype {name}")
+    assert isinstance(dt, torch.dtype)
     return dt
 
 
-def _torch_view(buf, addr: int, offset: int, out: Output):
+def _torch_view(buf: torch.Tensor, addr: int, offset: int, out: Output) -> torch.Tensor:
     """A view of bytes ``[offset, offset + nbytes)`` of a uint8 tensor as
     ``out``; a copy where the address does not suit the dtype."""
     import torch
@@ -149,18 +160,19 @@ class HostBackend(Backend):
     def __init__(self, threads: int = 2):
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="phx-load")
 
-    def alloc(self, nbytes: int):
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
         import torch
         buf = torch.empty(nbytes + self.alignment, dtype=torch.uint8)
         return buf, buf.data_ptr()
 
-    def submit(self, file, buf, pieces):
+    def submit(self, file: File, buf: torch.Tensor,
+               pieces: _Pieces) -> concurrent.futures.Future[_Pieces]:
         return self._pool.submit(file.pread_many, buf, pieces[:, 0], pieces[:, 2], pieces[:, 1])
 
-    def wait(self, handle):
+    def wait(self, handle: concurrent.futures.Future[_Pieces]) -> _Pieces:
         return np.asarray(handle.result(), dtype=np.int64)
 
-    def view(self, buf, addr, offset, out):
+    def view(self, buf: torch.Tensor, addr: int, offset: int, out: Output) -> torch.Tensor:
         return _torch_view(buf, addr, offset, out)
 
     def close(self) -> None:
@@ -173,36 +185,37 @@ class GPUBackend(Backend):
 
     alignment = 256
 
-    def submit(self, file, buf, pieces):
+    def submit(self, file: File, buf: Any, pieces: _Pieces) -> phx.gpu.GPUBatch:
         import phx.gpu
         return phx.gpu.read_chunks_async(buf, file, pieces[:, 0], pieces[:, 1], pieces[:, 2])
 
-    def wait(self, handle):
+    def wait(self, handle: phx.gpu.GPUBatch) -> _Pieces:
         return np.asarray(handle.result(), dtype=np.int64)
 
 
 class TorchGPUBackend(GPUBackend):
     """CUDA torch tensors on ``device``."""
 
-    def __init__(self, device):
+    def __init__(self, device: Any) -> None:
         import torch
 
         import phx.gpu
         ok, why = phx.gpu.is_available()
         if not ok:
             raise RuntimeError(f"phx.loader: cannot load to {device}: {why}")
-        self.device = torch.device("cuda", cuda_index(device))
+        idx = cuda_index(device)
+        self.device = torch.device("cuda", idx) if idx is not None else torch.device("cuda")
 
-    def alloc(self, nbytes: int):
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
         import torch
         buf = torch.empty(nbytes + self.alignment, dtype=torch.uint8, device=self.device)
         return buf, buf.data_ptr()
 
-    def view(self, buf, addr, offset, out):
+    def view(self, buf: torch.Tensor, addr: int, offset: int, out: Output) -> torch.Tensor:
         return _torch_view(buf, addr, offset, out)
 
 
-def _kind(device) -> str:
+def _kind(device: Any) -> str:
     """"cpu" or "cuda" for a device spelling (int, "cuda[:N]", "cpu", torch.device)."""
     kind = "cuda" if isinstance(device, int) else str(device).partition(":")[0]
     if kind not in ("cpu", "cuda"):
@@ -210,7 +223,7 @@ def _kind(device) -> str:
     return kind
 
 
-def cuda_index(device) -> int | None:
+def cuda_index(device: Any) -> int | None:
     """The CUDA ordinal of a device spelling (bare "cuda": torch's current
     device), or None for the CPU."""
     if _kind(device) == "cpu":
@@ -224,12 +237,12 @@ def cuda_index(device) -> int | None:
     return torch.cuda.current_device()
 
 
-def backend_for(device) -> Backend:
+def backend_for(device: Any) -> Backend:
     """The backend for a torch device spelling ("cpu", "cuda", "cuda:1", torch.device)."""
     return HostBackend() if _kind(device) == "cpu" else TorchGPUBackend(device)
 
 
-def _check(job: Job, pieces: np.ndarray, got: np.ndarray) -> None:
+def _check(job: Job, pieces: _Pieces, got: _Pieces) -> None:
     short = np.flatnonzero(got != pieces[:, 2])
     if not short.size:
         return
@@ -243,7 +256,7 @@ def _check(job: Job, pieces: np.ndarray, got: np.ndarray) -> None:
 
 
 def open_for_data(path: str, ident: FileIdentity | None = None, cached: str = "auto",
-                  stats: LoadStats | None = None):
+                  stats: LoadStats | None = None) -> File:
     """Open ``path`` (a phx ``File``) for the data: O_DIRECT, or buffered when
     it is warm (or O_DIRECT is refused); the handle is checked to be the file
     ``ident`` describes (the header's).  ``stats`` records how it was opened."""
@@ -288,9 +301,10 @@ def run(jobs: Iterable[Job], backend: Backend, *, inflight_bytes: int = 1 << 30,
 
 
 def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
-         open_file, identities: dict, cached: str, stats: LoadStats) -> Iterator[tuple[str, Any]]:
+         open_file: Callable[[str], Any] | None, identities: dict[str, FileIdentity | None],
+         cached: str, stats: LoadStats) -> Generator[tuple[str, Any], None, None]:
     files: dict[str, Any] = {}
-    pending: deque = deque()
+    pending: deque[tuple[Job, Any, int, int, _Pieces, Any]] = deque()
     bar = None
     if progress:
         try:
@@ -347,7 +361,7 @@ def _run(jobs: list[Job], backend: Backend, inflight_bytes: int, progress: bool,
             yield from outs
             # the consumer has them now: do not keep this job's memory alive
             # while the next reads are submitted
-            outs = None
+            del outs
     finally:
         for *_, handle in pending:
             if handle is not None:

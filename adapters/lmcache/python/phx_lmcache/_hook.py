@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
+import types
+from collections.abc import Sequence
+from typing import Any
 
 WATCHED = "lmcache.v1.gpu_connector.gds_backends.phx"
 
@@ -25,40 +28,43 @@ class _Finder:
     module is patched right after it has run."""
 
     @staticmethod
-    def find_spec(fullname, path=None, target=None):
+    def find_spec(fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != WATCHED:
             return None
         _preload()
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = _PatchingLoader(spec.loader)
+        # duck-typed: it hands everything else to the real loader (__getattr__)
+        spec.loader = _PatchingLoader(spec.loader)  # type: ignore[assignment]
         return spec
 
     @staticmethod
-    def invalidate_caches():
+    def invalidate_caches() -> None:
         return None
 
 
 class _PatchingLoader:
     """Runs the real loader, then patches the module (phx_lmcache._slab)."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader: Any) -> None:
         self._loader = loader
 
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        mod: types.ModuleType | None = self._loader.create_module(spec)
+        return mod
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: types.ModuleType) -> None:
         module.__loader__ = self._loader
         self._loader.exec_module(module)
         _patch(module)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
 
-def _patch(module) -> None:
+def _patch(module: types.ModuleType) -> None:
     try:
         from phx_lmcache import _slab
         _slab.patch(module)

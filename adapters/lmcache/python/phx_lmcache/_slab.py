@@ -38,6 +38,9 @@ import os
 import struct
 import sys
 import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
 #: LMCache 0.5.6's FileGDSBackend.open_slab: location/lmcache_gds_slab.bin
 SLAB_NAME = "lmcache_gds_slab.bin"
@@ -154,10 +157,10 @@ def claim(path: str) -> Claim | None:
 # ---------------------------------------------------------------------------
 # failed stores
 
-_check_fn = None
+_check_fn: Callable[[ctypes.c_void_p, int, int], int] | None = None
 
 
-def _check_range():
+def _check_range() -> Callable[[ctypes.c_void_p, int, int], int]:
     """libphxfile's phxFileCheckRange(fh, off, len): 0, or -EIO for a range
     whose last write failed."""
     global _check_fn
@@ -167,10 +170,11 @@ def _check_range():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
         fn.restype = ctypes.c_int
         _check_fn = fn
+        return fn
     return _check_fn
 
 
-def _bad_keys(manager, keys, tag) -> list:
+def _bad_keys(manager: Any, keys: Sequence[Any], tag: Any) -> list[Any]:
     """The keys among @keys whose staged GDS object lies on a phx slab range
     that libphxfile reports bad."""
     from lmcache.v1.gpu_connector import gds_context
@@ -192,7 +196,7 @@ def _bad_keys(manager, keys, tag) -> list:
     return bad
 
 
-def _is_phx(handle) -> bool:
+def _is_phx(handle: object) -> bool:
     mod = sys.modules.get("lmcache.v1.gpu_connector.gds_backends.phx")
     return mod is not None and isinstance(handle, mod.AsyncHandle)
 
@@ -213,7 +217,7 @@ def _patch_l1_manager() -> None:
         return
     orig = cls.finish_write
 
-    def finish_write(self, keys, tag=""):
+    def finish_write(self: Any, keys: Sequence[Any], tag: Any = "") -> Any:
         try:
             bad = set(_bad_keys(self, keys, tag))
         except Exception as e:  # noqa: BLE001 - never break LMCache's own path
@@ -231,21 +235,21 @@ def _patch_l1_manager() -> None:
               f"(discarded so far: {_counts['discarded']}; see phxfile's failure log)")
         return ret
 
-    finish_write._phx_wrapped = True
+    finish_write._phx_wrapped = True  # type: ignore[attr-defined]  # the mark patching looks for
     finish_write.__doc__ = orig.__doc__
     cls.finish_write = finish_write
 
 
 # ---------------------------------------------------------------------------
 
-def patch(module) -> None:
+def patch(module: types.ModuleType) -> None:
     """Wrap the phx backend module's open_slab and its handles' close."""
     backend, handle = module.Backend, module.AsyncHandle
     if getattr(backend.open_slab, "_phx_wrapped", False):
         return
     orig_open, orig_close = backend.open_slab, handle.close
 
-    def open_slab(self, location, size, direct_io):
+    def open_slab(self: Any, location: str, size: int, direct_io: bool) -> Any:
         os.makedirs(location, exist_ok=True)
         c = claim(os.path.join(location, SLAB_NAME))
         try:
@@ -264,7 +268,7 @@ def patch(module) -> None:
             _warn(f"failed stores cannot be kept out of the cache: {type(e).__name__}: {e}")
         return h
 
-    def close(self):
+    def close(self: Any) -> None:
         try:
             orig_close(self)
         finally:
@@ -272,7 +276,7 @@ def patch(module) -> None:
             if c is not None:
                 c.release()
 
-    open_slab._phx_wrapped = True
+    open_slab._phx_wrapped = True  # type: ignore[attr-defined]  # the mark patching looks for
     open_slab.__doc__ = orig_open.__doc__
     close.__doc__ = orig_close.__doc__
     backend.open_slab = open_slab
