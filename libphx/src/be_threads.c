@@ -17,7 +17,8 @@
  * One worker starts with the engine, more whenever an op is queued and no
  * idle one can take it, up to io_threads (default: the queue depth, at
  * most 64): as many blocking calls in flight as io_uring would have
- * requests in the device.  They
+ * requests in the device - of small ops: big ones run only as many at once
+ * as fit in THREADS_BUSY_BYTES.  They
  * block every signal (a caller's handlers run in the caller's threads)
  * and live until the engine is destroyed.  They are not copied by fork():
  * in a child the parent's engine can only be destroyed (its progress
@@ -36,6 +37,15 @@
 #include "internal.h"
 
 #define THREADS_DEFAULT_MAX 64u
+/*
+ * Bytes the workers move at once: beyond one op, no more ops run than fit
+ * in this.  On the 2-core box's zram, 32 workers each copying 1 MiB (QD 32)
+ * ran at 0.77x io_uring, and 1.08x with this cap (8 at once); 4 KiB ops
+ * still run 32 at once, which the virtio disk's random IOPS need (8 workers
+ * gave 0.69x of 32).  Three 1.5 s runs each, medians, a busy machine
+ * (docs/bench-io.md, "Thread-pool engine").
+ */
+#define THREADS_BUSY_BYTES (8ull << 20)
 /* A worker's stack: it calls one syscall and io.c's completion. */
 #define THREADS_STACK (256u << 10)
 
@@ -79,6 +89,20 @@ static int op_run(const struct devop *d)
 	return r < 0 ? -errno : (int)r;
 }
 
+/* Bytes an op moves through memory (a flush or fadvise range moves none). */
+static uint64_t op_bytes(const struct chunk *c)
+{
+	return c->dop.kind == DOP_READ || c->dop.kind == DOP_WRITE ? c->dop.len : 0;
+}
+
+/* May the head op run now, beside what runs (lock held)? */
+static bool op_may_run(const struct be_threads_state *t)
+{
+	const struct chunk *c = t->head;
+
+	return c && (!t->busy_bytes || t->busy_bytes + op_bytes(c) <= THREADS_BUSY_BYTES);
+}
+
 static struct chunk *op_pop(struct be_threads_state *t)
 {
 	struct chunk *c = t->head;
@@ -88,6 +112,25 @@ static struct chunk *op_pop(struct be_threads_state *t)
 		if (!t->head)
 			t->tail = NULL;
 		c->next_op = NULL;
+	}
+	return c;
+}
+
+/*
+ * The head op for this worker, or NULL (lock held); wakes one more idle
+ * worker when the next op may run too, so that a burst fans out.
+ */
+static struct chunk *op_take(struct be_threads_state *t)
+{
+	struct chunk *c;
+
+	if (!op_may_run(t))
+		return NULL;
+	c = op_pop(t);
+	t->busy_bytes += op_bytes(c);
+	if (op_may_run(t) && t->idle > t->woken) {
+		t->woken++;
+		pthread_cond_signal(&t->work);
 	}
 	return c;
 }
@@ -145,9 +188,9 @@ static void *worker_main(void *arg)
 			worker_tick(eng);
 			continue;
 		}
-		c = op_pop(t);
+		c = op_take(t);
 		if (!c) {
-			if (t->stop)
+			if (t->stop && !t->head)
 				break;
 			t->idle++;
 			pthread_cond_wait(&t->work, &eng->lock);
@@ -162,6 +205,7 @@ static void *worker_main(void *arg)
 		pthread_mutex_unlock(&eng->lock);
 		res = op_run(&d);
 		pthread_mutex_lock(&eng->lock);
+		t->busy_bytes -= d.kind == DOP_READ || d.kind == DOP_WRITE ? d.len : 0;
 		before = finished(eng);
 		io_complete_op(eng, c, res);
 		worker_after(eng, before);

@@ -223,6 +223,7 @@ struct be_threads_state {
 	uint32_t nthreads;	/* workers started (started lazily, up to max) */
 	uint32_t idle;		/* of those, asleep on work */
 	uint32_t woken;		/* of those, signalled and not yet awake */
+	uint64_t busy_bytes;	/* of the reads and writes running now */
 	pthread_t *tids;
 	bool tick_queued;	/* a tick waits for a worker */
 	bool stop;
