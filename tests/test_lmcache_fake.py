@@ -111,14 +111,62 @@ def test_path_logged_once_at_open(results):
     assert opens and all(f"path={mode}" in l for l in opens), opens
 
 
-def test_failure_logged_once_per_errno_and_file(results):
-    """Two ENOSPC failures on one slab: one log line with errno and file."""
+def test_failure_logged_once_then_with_totals(results):
+    """Two ENOSPC failures on one slab: one first line with errno and file;
+    any later line of that kind carries running totals."""
     mode, out, err = results
     if not out.get("enospc", "").startswith("ok"):
         pytest.skip("the ENOSPC check did not run")
-    lines = [l for l in err.splitlines() if "No space left on device" in l]
-    assert len(lines) == 1, lines
-    assert "errno 28" in lines[0] and "lmcache_gds_slab.bin" in lines[0]
+    lines = [l for l in err.splitlines()
+             if "No space left on device" in l and "lmcache_gds_slab.bin" in l]
+    first = [l for l in lines if "further failures of this kind are counted" in l]
+    assert len(first) == 1 and "errno 28" in first[0], lines
+    assert all("times so far" in l for l in lines if l not in first), lines
+
+
+def test_failures_logged_with_running_totals(fake_libcuda, tmp_path):
+    """Failures keep being logged, with running totals (PHXFILE_LOG_INTERVAL_S=1):
+    four ENOSPC writes, three at once and one two seconds later, give the
+    first line, then lines "N times so far, M since the last line" (from the
+    next failure once the interval has passed, from the periodic flush, or at
+    driver close) whose counts add up to all four."""
+    import re
+    small = str(tmp_path / "small")
+    if not _mount("tmpfs", small):
+        pytest.skip("needs root for a small tmpfs")
+    try:
+        r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
+                           [str(tmp_path), small, "failure_totals"],
+                           _server_env(fake_libcuda, PHXFILE_LOG_INTERVAL_S="1"))
+    finally:
+        _umount(small)
+    assert "ok failure_totals" in r.stdout, r.stdout + r.stderr
+    lines = [l for l in r.stderr.splitlines()
+             if "phxFileWriteAsync failed" in l and "No space left on device" in l]
+    assert "further failures of this kind are counted" in lines[0], lines
+    totals = [tuple(map(int, m.groups())) for l in lines[1:]
+              for m in [re.search(r"(\d+) times so far, (\d+) since the last line", l)] if m]
+    assert len(totals) >= 1 and len(totals) == len(lines) - 1, lines
+    assert totals[-1][0] == 4 and 1 + sum(t[1] for t in totals) == 4, lines
+    assert [t[0] for t in totals] == sorted(set(t[0] for t in totals)), lines
+
+
+@pytest.mark.parametrize("what", ["no_memops", "pinning"])
+def test_startup_refuses_a_device_it_cannot_serve(fake_libcuda, tmp_path, what):
+    """What each GPU needs is checked when its first buffer is registered
+    (LMCache registers its staging buffers when a GPU attaches), not at the
+    first transfer: without stream memory operations (FAKE_CUDA_NO_MEMOPS=1)
+    or without pinned staging (the fake's cuMemHostRegister failing) the
+    registration fails, one line says why, and the refusal is kept."""
+    extra = {"FAKE_CUDA_NO_MEMOPS": "1"} if what == "no_memops" else {}
+    r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
+                       [str(tmp_path), "-", f"startup_{what}"],
+                       _server_env(fake_libcuda, **extra))
+    assert f"ok startup_{what}" in r.stdout, r.stdout + r.stderr
+    lines = [l for l in r.stderr.splitlines() if "device 0: cannot start" in l]
+    assert len(lines) == 1, r.stderr
+    assert ("stream memory operations" if what == "no_memops" else "pinned host memory") \
+        in lines[0], lines
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["", "no-early-reads"])
@@ -145,17 +193,25 @@ def test_slab_on_xfs(fake_libcuda, tmp_path, early):
 
 
 def test_second_device_writes_void_early_reads(fake_libcuda, tmp_path):
-    """Early reads stay on with two devices in one process (two fake devices):
-    a write through the second device's context voids the first device's early
-    pieces of that range (libphx's per-inode write log), so the reads return the
-    new bytes; nothing is turned off or logged as off."""
+    """Early reads stay on with two devices in one process (two fake devices),
+    and stay sound: a write through the second device's context voids the first
+    device's early pieces of that range, and a write the second device has
+    queued but not yet issued keeps the first device's reads of that range from
+    starting early at all (libphx's per-inode write log and pending list are
+    process-wide; the second check fails with the pending check taken out of
+    inode.c).  The reads return the new bytes; nothing is turned off or
+    logged as off."""
+    checks = ["second_device_writes_void_early_reads",
+              "second_device_pending_write_blocks_early_reads"]
     r = support.run_py(os.path.join(support.HERE, "fake_checks.py"),
-                       [str(tmp_path), "-", "second_device_writes_void_early_reads"],
+                       [str(tmp_path), "-", *checks],
                        support.child_env(SITE, LD_LIBRARY_PATH=str(fake_libcuda),
                                          PHX_CUDA_LANES="2", FAKE_CUDA_DEVICES="2"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "ok second_device_writes_void_early_reads" in r.stdout, r.stdout + r.stderr
+    for c in checks:
+        assert f"ok {c}" in r.stdout, r.stdout + r.stderr
     assert "early reads off" not in r.stderr, r.stderr
+    assert r.stderr.count("early reads on") == 2, r.stderr      # one line per device
 
 
 _CLAIM_CHILD = r"""

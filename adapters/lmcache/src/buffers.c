@@ -115,6 +115,12 @@ PF_EXPORT int phxFileBufRegister(const void *addr, size_t len)
 		d->st.direct_fallbacks++;
 		pthread_mutex_unlock(&d->lock);
 	}
+	/* staging serves it: the device is checked now, not at its first transfer */
+	if (!ret && !nb.host) {
+		phx_cuda *cu;
+
+		ret = pf_ctx_get_setup(d, nb.dev, &cu);
+	}
 	if (!ret) {
 		pthread_mutex_lock(&d->lock);
 		ret = insert_locked(d, &nb);
@@ -127,6 +133,8 @@ PF_EXPORT int phxFileBufRegister(const void *addr, size_t len)
 		return pf_submit_fail(d, ret, NULL, "phxFileBufRegister (not GPU memory of one device)");
 	if (ret == -EEXIST)
 		return pf_submit_fail(d, ret, NULL, "phxFileBufRegister (overlaps a registered buffer)");
+	if (ret == -EOPNOTSUPP)
+		return pf_submit_fail(d, ret, NULL, "phxFileBufRegister (the GPU lacks stream memory operations: see the device's start-up line)");
 	if (ret)
 		return pf_submit_fail(d, ret, NULL, "phxFileBufRegister");
 	return 0;

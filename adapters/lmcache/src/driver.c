@@ -159,6 +159,15 @@ void pf_direct_early_off(struct pf_driver *d)
 		pf_log("early reads off: the direct path (/dev/phx) is in use");
 }
 
+/*
+ * Start-up check of what a device's transfers need: the staging context
+ * (its pinned memory registered with CUDA) and stream memory operations
+ * (every transfer is stream-ordered).  Done when the first buffer of the
+ * device is registered (LMCache registers its staging buffers when a GPU
+ * attaches), so a GPU that cannot work is refused there, with one line
+ * saying why, instead of failing at its first transfer.  A refusal is kept
+ * until the driver closes (no retry, no second line per call).
+ */
 static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
 {
 	struct phx_cuda_config cfg;
@@ -174,14 +183,49 @@ static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
 		cfg.flags &= ~PHX_CUDA_EARLY_READS;
 	ret = phx_cuda_create(d->eng, &cfg, out);
 	if (ret) {
-		pf_log("device %d: staging context: %s", dev, phx_cuda_strerror_last());
+		pf_log("device %d: cannot start: the staging context failed: %s (pinned host memory: ulimit -l, PHX_CUDA_MAX_PINNED); this device's buffers and transfers are refused until the driver is reopened",
+		       dev, phx_cuda_strerror_last());
 		return ret;
 	}
+	if (!(phx_cuda_features(*out) & PHX_CUDA_FEAT_MEMOPS)) {
+		pf_log("device %d: cannot start without stream memory operations, and every phxFile transfer is stream-ordered: %s; this device's buffers and transfers are refused until the driver is reopened",
+		       dev, phx_cuda_memops_why(*out));
+		phx_cuda_destroy(*out);
+		*out = NULL;
+		return -EOPNOTSUPP;
+	}
 	phx_cuda_config_get(*out, &cfg);
-	pf_log("device %d: staging context: %u lanes x %u buffers x %u KiB pinned, early reads %s",
+	pf_log("device %d: staging context: %u lanes x %u buffers x %u KiB pinned, stream memory operations, early reads %s",
 	       dev, cfg.lanes, cfg.bufs_per_lane, cfg.buf_size >> 10,
 	       phx_cuda_features(*out) & PHX_CUDA_FEAT_EARLY_READS ? "on" : "off");
 	pf_handles_attach_all_setup(d, dev, *out);
+	return 0;
+}
+
+/* Setup held: pf_ctx_get() for callers that hold it. */
+int pf_ctx_get_setup(struct pf_driver *d, int dev, phx_cuda **out)
+{
+	phx_cuda *cu;
+	int ret;
+
+	if (dev < 0 || dev >= PF_MAX_DEVICES)
+		return -ENODEV;
+	if (!d->live)
+		return -ENODEV;
+	cu = d->ctx[dev];
+	if (!cu) {
+		if (d->ctx_err[dev])
+			return d->ctx_err[dev];
+		ret = ctx_create_setup(d, dev, &cu);
+		if (ret) {
+			d->ctx_err[dev] = ret;
+			return ret;
+		}
+		pthread_mutex_lock(&d->lock);
+		d->ctx[dev] = cu;
+		pthread_mutex_unlock(&d->lock);
+	}
+	*out = cu;
 	return 0;
 }
 
@@ -193,7 +237,7 @@ static int ctx_create_setup(struct pf_driver *d, int dev, phx_cuda **out)
 int pf_ctx_get(struct pf_driver *d, int dev, phx_cuda **out)
 {
 	phx_cuda *cu;
-	int ret = 0;
+	int ret;
 
 	if (dev < 0 || dev >= PF_MAX_DEVICES)
 		return -ENODEV;
@@ -205,17 +249,7 @@ int pf_ctx_get(struct pf_driver *d, int dev, phx_cuda **out)
 		return 0;
 	}
 	pthread_mutex_lock(&d->setup);
-	cu = d->ctx[dev];
-	if (!d->live)
-		ret = -ENODEV;
-	else if (!cu)
-		ret = ctx_create_setup(d, dev, &cu);
-	if (!ret) {
-		pthread_mutex_lock(&d->lock);
-		d->ctx[dev] = cu;
-		pthread_mutex_unlock(&d->lock);
-		*out = cu;
-	}
+	ret = pf_ctx_get_setup(d, dev, out);
 	pthread_mutex_unlock(&d->setup);
 	return ret;
 }
@@ -231,6 +265,7 @@ static void shutdown_setup(struct pf_driver *d)
 		pthread_cond_wait(&d->idle, &d->lock);
 	memcpy(ctx, d->ctx, sizeof(ctx));
 	memset(d->ctx, 0, sizeof(d->ctx));
+	memset(d->ctx_err, 0, sizeof(d->ctx_err));
 	for (i = 0; i < PF_MAX_DEVICES; i++)
 		if (ctx[i])
 			ctx_fold_stats(d, ctx[i]);
@@ -241,6 +276,7 @@ static void shutdown_setup(struct pf_driver *d)
 			phx_cuda_destroy(ctx[i]);
 	phx_engine_destroy(d->eng);
 	d->eng = NULL;
+	pf_fail_flush(d, true);
 	pf_cuda_unload(&d->cuda);
 	pf_log("driver closed: path=%s reads=%llu writes=%llu bytes_read=%llu bytes_written=%llu failures=%llu submit_errors=%llu unregistered_ops=%llu",
 	       pf_path_name(d->path), (unsigned long long)d->st.reads,
@@ -277,6 +313,7 @@ static void pf_stats_fill(void *unused, uint64_t *vals, uint32_t n)
 {
 	struct phxfile_stats st;
 
+	pf_fail_flush(pf_drv(), false);	/* running totals of failures, when due */
 	if (stats_collect(&st, true))
 		return;
 	vals[0] = st.path;

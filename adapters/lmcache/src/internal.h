@@ -30,7 +30,7 @@
 
 #define PF_EXPORT __attribute__((visibility("default")))
 #define PF_MAX_DEVICES 64
-#define PF_MAX_LOGGED 256	/* distinct (errno, file) pairs logged */
+#define PF_MAX_LOGGED 256	/* kinds of failure (call, errno, file) logged */
 
 /* ---- libcuda entry points the adapter calls itself (cuhook.c) ---------- */
 
@@ -79,9 +79,13 @@ struct pf_handle {
 	char path[PATH_MAX];
 };
 
-struct pf_logged {
+struct pf_logged {		/* a kind of failure (failures.c) */
 	int err;
+	char what[160];
 	char path[PATH_MAX];
+	uint64_t count;		/* failures of the kind */
+	uint64_t reported;	/* of them, in a log line already */
+	int64_t last_ns;	/* that line's time (CLOCK_MONOTONIC) */
 };
 
 struct pf_driver {
@@ -95,6 +99,7 @@ struct pf_driver {
 	bool identity_map;		/* test hook: fake "device" memory is host memory */
 	phx_engine *eng;
 	phx_cuda *ctx[PF_MAX_DEVICES];
+	int ctx_err[PF_MAX_DEVICES];	/* a device refused at start-up: its -errno */
 	struct pf_cuda cuda;
 	struct pf_buf **bufs;		/* sorted by base */
 	size_t nbufs, capbufs;
@@ -115,6 +120,7 @@ void pf_publish(void);
 /* driver.c */
 int pf_get_setup(struct pf_driver *d);	/* setup held: open implicitly if needed */
 int pf_ctx_get(struct pf_driver *d, int dev, phx_cuda **out);	/* no lock held */
+int pf_ctx_get_setup(struct pf_driver *d, int dev, phx_cuda **out);	/* setup held */
 
 /* buffers.c (either lock held) */
 struct pf_buf *pf_buf_find_locked(struct pf_driver *d, uint64_t addr);
@@ -138,6 +144,7 @@ void pf_direct_run(void *arg);			/* a host function */
 /* failures.c */
 void pf_fail_locked(struct pf_driver *d, int err, const char *path, const char *what);
 int pf_submit_fail(struct pf_driver *d, int err, const char *path, const char *what);
+void pf_fail_flush(struct pf_driver *d, bool all);	/* no lock held */
 
 /* log.c */
 void pf_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

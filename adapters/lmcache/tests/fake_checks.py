@@ -284,6 +284,66 @@ def check_second_device_writes_void_early_reads():
         assert deregister(p) == 0
 
 
+def check_second_device_pending_write_blocks_early_reads():
+    """Two devices (FAKE_CUDA_DEVICES=2): device 1 queues a rewrite of a range
+    behind a busy stream (accepted, not yet in the file); device 0 then queues
+    reads of that range behind a longer busy stream.  libphx's per-inode write
+    log is process-wide, so device 0's context sees device 1's pending write
+    and starts no early read of the range (none voided later either: nothing
+    was read early to void), and the reads, arriving after the write, return
+    device 1's bytes.  A log per context would start them early, on the old
+    bytes (the change-time check would then void them: early_misses)."""
+    if os.environ.get("FAKE_CUDA_DEVICES", "1") == "1":
+        raise Skip("needs FAKE_CUDA_DEVICES=2")
+    ctxs = []
+    for d in (0, 1):
+        c = ctypes.c_void_p()
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0
+        ctxs.append(c)
+    n = 4 * MiB + 5
+    data = random(n)
+    h = slab("pending", 8 * MiB)
+    assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
+    dst, s0 = alloc(3 * MiB), stream()
+    register(dst, 3 * MiB)
+    buf = written(h, data, 0, s0)
+    assert _queued_reads(h, dst, data, s0, 4) >= 2, "device 0 alone: no early reads"
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    # device 1: the rewrite, pending behind a busy stream
+    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0
+    new = random(2 * MiB)
+    s1 = stream()
+    src1 = alloc(2 * MiB)
+    register(src1, 2 * MiB)
+    view(src1, 2 * MiB)[:] = new
+    busy(s1, 200)
+    w = h.write_async(src1, 2 * MiB, 0, 0, s1)
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    data[: 2 * MiB] = new
+    # device 0: reads of that range, arriving after the write has landed
+    assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
+    st0 = phx_lmcache.stats()
+    busy(s0, 900)
+    subs = [(h.read_async(dst, 300001 + i, 4096 * i + 3 * i, 400000 * i + i, s0),
+             300001 + i, 4096 * i + 3 * i, 400000 * i + i) for i in range(4)]
+    sync(s0)
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0
+    sync(s1)
+    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    assert w.bytes_done == 2 * MiB, w.bytes_done
+    for sub, size, foff, boff in subs:
+        assert sub.bytes_done == size, (sub.bytes_done, size)
+        assert (view(dst + boff, size) == data[foff:foff + size]).all(), \
+            "a read returned bytes from before another device's write"
+    st1 = settled()
+    started = (st1["early_reads"] - st0["early_reads"]) + (st1["early_misses"] - st0["early_misses"])
+    assert started == 0, f"{started} reads started early under another device's pending write"
+    h.close()
+    for p in (buf, dst, src1):
+        assert deregister(p) == 0
+
+
 def check_work_after_read_sees_data():
     """A copy queued after the read on the same stream sees the read's data
     (the stream is held up first, so nothing has run at queue time)."""
@@ -417,6 +477,83 @@ def check_enospc():
     os.unlink(filler)
     deregister(src)
     deregister(dst)
+
+
+def check_failure_totals():
+    """Failures are logged with running totals, not only once
+    (PHXFILE_LOG_INTERVAL_S=1 here): three ENOSPC writes at once give the
+    first line; a second later the periodic flush adds "3 times so far, 2
+    since the last line"; a fourth failure after the interval gets its own
+    line at once (or from the flush, or at driver close, on a slow box).  The
+    test reads the lines from stderr."""
+    if SMALLFS == "-":
+        raise Skip("no small filesystem (needs root to mount one)")
+    if os.environ.get("PHXFILE_LOG_INTERVAL_S") != "1":
+        raise Skip("needs PHXFILE_LOG_INTERVAL_S=1")
+    h = slab("totals", 1 * MiB, SMALLFS)
+    n = MiB
+    src = alloc(n)
+    register(src, n)
+    view(src, n)[:] = random(n)
+    filler = os.path.join(SMALLFS, "filler2")
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    s = stream()
+    bad = [h.write_async(src, n, (4 + 2 * i) * MiB, 0, s) for i in range(3)]
+    sync(s)
+    assert [b.bytes_done for b in bad] == [-errno.ENOSPC] * 3, [b.bytes_done for b in bad]
+    time.sleep(2.2)                      # the periodic flush's line, then the interval again
+    w = h.write_async(src, n, 12 * MiB, 0, s)
+    sync(s)
+    assert w.bytes_done == -errno.ENOSPC
+    settled()
+    h.close()
+    os.unlink(filler)
+    deregister(src)
+    # driver close: a line for any failure not yet in one
+    while phx_lmcache.stats()["path"] != "none":
+        assert lib().phxFileDriverClose() == 0
+
+
+def check_startup_no_memops():
+    """A GPU without stream memory operations (FAKE_CUDA_NO_MEMOPS=1) is
+    refused when its first buffer is registered (LMCache's register_buffer
+    raises), with one line saying why, not at its first transfer; a transfer
+    on its memory is refused the same way, with no second line."""
+    if not os.environ.get("FAKE_CUDA_NO_MEMOPS"):
+        raise Skip("needs FAKE_CUDA_NO_MEMOPS=1")
+    n = MiB
+    p = alloc(n)
+    rc = lib().phxFileBufRegister(ctypes.c_void_p(p), ctypes.c_size_t(n))
+    assert rc == -errno.EOPNOTSUPP, rc
+    assert settled()["buffers"] == 0
+    h = slab("nomemops", 4 * MiB)
+    try:
+        h.read_async(p, n, 0, 0, stream())
+    except RuntimeError as e:
+        assert f"rc={-errno.EOPNOTSUPP}" in str(e), e
+    else:
+        raise AssertionError("a transfer on a device without stream ops was accepted")
+    h.close()
+
+
+def check_startup_pinning():
+    """The staging context's pinned memory cannot be registered with CUDA
+    (the fake's next cuMemHostRegister fails): the first buffer registration
+    fails and says so; the refusal is kept (no retry per call)."""
+    cuda.fake_fail_host_register(0)
+    n = MiB
+    p = alloc(n)
+    rc = lib().phxFileBufRegister(ctypes.c_void_p(p), ctypes.c_size_t(n))
+    assert rc < 0, rc
+    rc2 = lib().phxFileBufRegister(ctypes.c_void_p(p), ctypes.c_size_t(n))
+    assert rc2 == rc, (rc, rc2)
+    assert settled()["buffers"] == 0
 
 
 def _dm_load(table: str) -> None:
@@ -618,8 +755,10 @@ CHECKS = {name[6:]: fn for name, fn in globals().items() if name.startswith("che
 def main() -> int:
     names = sys.argv[3:]
     if names == ["all"]:
-        # the refcount check needs a driver with nothing registered: first
-        names = ["driver_refcount"] + [n for n in CHECKS if n != "driver_refcount"]
+        # the refcount check needs a driver with nothing registered: first;
+        # the start-up checks leave their device refused: run alone
+        alone = ("driver_refcount", "startup_pinning", "startup_no_memops", "failure_totals")
+        names = ["driver_refcount"] + [n for n in CHECKS if n not in alone]
     for name in names:
         try:
             CHECKS[name]()
