@@ -96,18 +96,27 @@ def _ofd_holder(st: os.stat_result) -> int | None:
     return None
 
 
+_mine: dict[tuple[int, int], "Claim"] = {}     # this process's claims, by (dev, ino)
+_mine_lock = threading.Lock()
+
+
 class Claim:
     """The claim on one slab file: a descriptor holding the OFD lock."""
 
     def __init__(self, path: str, fd: int) -> None:
         self.path, self._fd = path, fd
-        self._lock = threading.Lock()
+        st = os.fstat(fd)
+        self._key = (st.st_dev, st.st_ino)
+        with _mine_lock:
+            _mine[self._key] = self
 
     def release(self) -> None:
-        with self._lock:
+        with _mine_lock:
             if self._fd >= 0:
                 os.close(self._fd)      # the OFD lock goes with its last descriptor
                 self._fd = -1
+                if _mine.get(self._key) is self:
+                    del _mine[self._key]
 
     @property
     def held(self) -> bool:
@@ -136,13 +145,17 @@ def claim(path: str) -> Claim | None:
             _warn(f"{path}: cannot lock the slab ({e.strerror}): two servers given this "
                   "path would overwrite each other's KV")
             return None
-        holder = _posix_holder(fd) or _ofd_holder(os.fstat(fd))
+        st = os.fstat(fd)
+        with _mine_lock:
+            own = (st.st_dev, st.st_ino) in _mine
+        holder = None if own else _posix_holder(fd) or _ofd_holder(st)
         os.close(fd)
-        who = f"process {holder}" if holder else "another process"
+        who = ("this process (a slab handle still open: LMCache allows one slab per process)"
+               if own else f"process {holder}" if holder else "another process")
+        hint = "" if own else " (another LMCache server given the same GDS path?)"
         raise SlabInUse(errno.EBUSY,
-                        f"the GDS slab {path} is in use by {who} (another LMCache server "
-                        "given the same GDS path?); it was left untouched. Give each "
-                        "server its own path", path) from None
+                        f"the GDS slab {path} is in use by {who}{hint}; it was left "
+                        "untouched. Give each server its own path", path) from None
     # a non-hook server that registered first holds byte 0 (POSIX) only
     holder = _posix_holder(fd)
     if holder is not None and holder != os.getpid():
