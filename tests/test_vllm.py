@@ -90,6 +90,19 @@ def test_phx_fastsafetensors_setting_switches_vllm_fastsafetensors(setting):
         assert "PhxCopier" not in out.values(), out
 
 
+@pytest.mark.parametrize("setting,on", [("1", True), ("", False), ("0", False),
+                                        ("false", False), ("yes", False), (" 1", False)])
+def test_phx_fastsafetensors_setting_is_read_strictly(setting, on, monkeypatch, caplog):
+    """Only 1 turns the copier on; an unreadable value is an error naming the
+    variable (logged: a plugin never raises), not a guess."""
+    import phx_vllm
+    monkeypatch.setenv("PHX_FASTSAFETENSORS", setting)
+    with caplog.at_level("ERROR", logger="vllm.phx_vllm"):
+        assert phx_vllm.wants_fastsafetensors() is on
+    bad = setting not in ("", "0", "1")
+    assert ("PHX_FASTSAFETENSORS=" in caplog.text) == bad, caplog.text
+
+
 def test_load_format_phx_on_the_command_line():
     out = run_vllm(r"""
         import phx_vllm

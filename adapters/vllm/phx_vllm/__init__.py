@@ -51,6 +51,18 @@ def _register_unavailable(err: BaseException) -> None:
             raise NotImplementedError
 
 
+def wants_fastsafetensors() -> bool:
+    """PHX_FASTSAFETENSORS: 1 puts phx's copier under fastsafetensors; unset, empty
+    or 0 does not.  Any other value is logged as an error naming the variable
+    and taken as off: a setting phx cannot read is said, never guessed, and a
+    vLLM plugin must not raise."""
+    setting = os.environ.get("PHX_FASTSAFETENSORS", "")
+    if setting not in ("", "0", "1"):
+        logger.error("phx: PHX_FASTSAFETENSORS=%r is not 0 or 1: phx's fastsafetensors "
+                     "copier is NOT put in place", setting)
+    return setting == "1"
+
+
 def register() -> None:
     """Register the ``phx`` load format with vLLM (once per process); never raises."""
     global _registered
@@ -63,7 +75,7 @@ def register() -> None:
         logger.warning("phx: the vLLM loader could not be imported, --load-format phx is "
                        "unavailable: %s: %s", type(e).__name__, e, exc_info=True)
         _register_unavailable(e)
-    if os.environ.get("PHX_FASTSAFETENSORS", "") not in ("", "0"):
+    if wants_fastsafetensors():
         try:
             import phx_fastsafetensors
             phx_fastsafetensors.replace()
