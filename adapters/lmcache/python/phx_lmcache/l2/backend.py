@@ -1,0 +1,732 @@
+"""``PhxL2Backend``: LMCache 0.5.6's storage plugin on phx slab files.
+
+Design, formats and the crash argument: docs/lmcache-l2.md.  LMCache builds
+this class from its configuration (``storage_plugins`` + ``extra_config``
+``storage_plugin.<name>.module_path`` / ``.class_name``) with ``config``,
+``dst_device``, ``metadata``, ``local_cpu_backend`` and ``loop``.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+import phx
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from . import format as fmt
+from .slab import SlabSet, log
+
+GiB = 1 << 30
+PIECE = 4 << 20            # unit of the read/verify pipeline
+
+# slot states
+_FREE, _DIRTY, _LIVE, _BUSY = 0, 1, 2, 3
+
+
+class _Entry:
+    __slots__ = ("slot", "length", "crc", "seq", "meta", "pins", "readers", "removed", "_m")
+
+    def __init__(self, slot: int, length: int, crc: int, seq: int, meta: bytes) -> None:
+        self.slot, self.length, self.crc, self.seq, self.meta = slot, length, crc, seq, meta
+        self.pins = 0
+        self.readers = 0
+        self.removed = False
+        self._m: dict[str, Any] | None = None
+
+    def decoded(self) -> dict[str, Any]:
+        if self._m is None:
+            self._m = fmt.decode_meta(self.meta)
+        return self._m
+
+
+class _Put:
+    __slots__ = ("ks", "key", "obj", "nbytes", "slot", "crc", "paid", "ok", "tomb", "seq",
+                 "meta")
+
+    def __init__(self, ks: str, key: Any, obj: Any, nbytes: int) -> None:
+        self.ks, self.key, self.obj, self.nbytes = ks, key, obj, nbytes
+        self.slot = -1
+        self.crc = 0
+        self.paid = False     # payload on disk
+        self.ok = False       # header on disk too: published
+        self.tomb = False
+        self.seq = 0
+        self.meta = b""
+
+
+def _dtype_from_str(s: str) -> torch.dtype:
+    d = getattr(torch, s.replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {s!r}")
+    return d
+
+
+def _obj_meta(obj: Any) -> bytes:
+    m = obj.metadata
+    shapes = m.shapes if m.shapes else [m.shape]
+    dtypes = m.dtypes if m.dtypes else [m.dtype]
+    cp = m.cached_positions
+    return fmt.encode_meta([list(map(int, s)) for s in shapes], [str(d) for d in dtypes],
+                           int(m.fmt.value),
+                           None if cp is None else [int(x) for x in cp.tolist()])
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is untyped
+    """Persistent, checksummed KV tier on phx slab files (see module doc)."""
+
+    def __init__(self, config: Any = None, metadata: Any = None,
+                 local_cpu_backend: Any = None,
+                 loop: Optional[asyncio.AbstractEventLoop] = None,
+                 dst_device: str = "cpu") -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        if config is None or local_cpu_backend is None:
+            raise ValueError("PhxL2Backend needs LMCache's config and local_cpu_backend "
+                             "(local_cpu: true)")
+        extra = dict(config.extra_config or {})
+        rank = int(getattr(metadata, "worker_id", 0) or 0)
+        raw = extra.get("phx_l2.paths") or extra.get("phx_l2.path")
+        if not raw:
+            raise ValueError("extra_config['phx_l2.paths'] is required (slab file(s) or "
+                             "block device(s), comma-separated; {rank} = the worker id)")
+        paths = [p.strip().replace("{rank}", str(rank))
+                 for p in (raw.split(",") if isinstance(raw, str) else raw) if p.strip()]
+        capacity = int(float(extra.get("phx_l2.capacity_gb", 0)) * GiB)
+        self.header_bytes = int(extra.get("phx_l2.header_bytes", 4096))
+        if self.header_bytes % fmt.ALIGN or self.header_bytes < 512:
+            raise ValueError("phx_l2.header_bytes must be a multiple of 4096")
+        full = int(local_cpu_backend.get_full_chunk_size_bytes())
+        self.slot_bytes = int(extra.get("phx_l2.slot_bytes",
+                                        fmt.round_up(self.header_bytes + full)))
+        if self.slot_bytes % fmt.ALIGN or self.slot_bytes <= self.header_bytes:
+            raise ValueError("phx_l2.slot_bytes must be a multiple of 4096 above header_bytes")
+        self.max_queued = int(float(extra.get("phx_l2.max_queued_gb", 1)) * GiB)
+        self.verify = _as_bool(extra.get("phx_l2.verify", True))
+        self.fsync = _as_bool(extra.get("phx_l2.fsync", False))
+        self.window = max(1, int(extra.get("phx_l2.read_window", 4)))   # pieces of 4 MiB
+        preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
+
+        self._engine = phx.Engine()
+        self._slab = SlabSet(paths, capacity, self.header_bytes, self.slot_bytes,
+                             self._engine, preallocate)
+        n = self._slab.slot_count
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._state = np.zeros(n, dtype=np.uint8)
+        self._pending: dict[str, int] = {}
+        self._queued_bytes = 0
+        self._seq = 0
+        self._logged_bad: set[int] = set()
+        self.counters: dict[str, float] = collections.defaultdict(int)
+        # Rebuild the index: newest sequence wins for a key; LRU = sequence order.
+        rec = sorted(self._slab.recovered, key=lambda r: r.header.seq)
+        for r in rec:
+            h = r.header
+            old = self._index.pop(h.key, None)
+            if old is not None:
+                self._state[old.slot] = _DIRTY
+            self._index[h.key] = _Entry(r.slot, h.payload_len, h.payload_crc, h.seq, h.meta)
+            self._state[r.slot] = _LIVE
+            self._seq = max(self._seq, h.seq)
+        self._free: collections.deque[int] = collections.deque(
+            int(i) for i in np.flatnonzero(self._state != _LIVE))
+        self.counters["recovered"] = len(self._index)
+        self.counters["recovery_dropped"] = self._slab.dropped
+        self.counters["recovery_s"] = self._slab.recovery_s
+        log.info("phx L2: %d slot(s) of %d KiB in %s; %d entries recovered in %.3f s "
+                 "(%d dropped)", n, self.slot_bytes >> 10, ",".join(paths), len(self._index),
+                 self._slab.recovery_s, self._slab.dropped)
+
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-crc")
+        self._readers = ThreadPoolExecutor(4, thread_name_prefix="phx-l2-read")
+        self._calls = ThreadPoolExecutor(2, thread_name_prefix="phx-l2-get")
+        self._writer = threading.Thread(target=self._writer_loop, name="phx-l2-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    def __str__(self) -> str:
+        return "PhxL2Backend"
+
+    # ------------------------------------------------------------------ lookup
+    def contains(self, key: Any, pin: bool = False) -> bool:
+        ks = key.to_string()
+        with self._lock:
+            e = self._index.get(ks)
+            if e is None:
+                return False
+            if pin:
+                e.pins += 1
+            return True
+
+    def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
+        ks = [k.to_string() for k in keys]
+        hits = 0
+        with self._lock:
+            for s in ks:
+                e = self._index.get(s)
+                if e is None:
+                    break
+                if pin:
+                    e.pins += 1
+                hits += 1
+        return hits
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[Any],
+                                     pin: bool = False) -> int:
+        return self.batched_contains(keys, pin)
+
+    def exists_in_put_tasks(self, key: Any) -> bool:
+        with self._lock:
+            return key.to_string() in self._pending
+
+    def pin(self, key: Any) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: Any) -> bool:
+        with self._lock:
+            e = self._index.get(key.to_string())
+            if e is None:
+                return False
+            if e.pins > 0:
+                e.pins -= 1
+            return True
+
+    def touch_cache(self) -> None:
+        """LRU is updated on every hit and put already."""
+
+    def remove(self, key: Any, force: bool = True) -> bool:
+        ks = key.to_string()
+        with self._lock:
+            e = self._index.get(ks)
+            if e is None or (not force and (e.pins or e.readers)):
+                return False
+            del self._index[ks]
+            self._drop_locked(e)
+        return True
+
+    def batched_remove(self, keys: list[Any], force: bool = True) -> int:
+        return sum(self.remove(k, force) for k in keys)
+
+    def _drop_locked(self, e: _Entry) -> None:
+        """An entry left the index: its slot is freed (tombstoned before reuse,
+        and soon by the writer) once no get reads it."""
+        e.removed = True
+        if e.readers == 0:
+            self._release_slot_locked(e.slot)
+
+    def _release_slot_locked(self, slot: int) -> None:
+        self._state[slot] = _DIRTY
+        self._free.append(slot)
+        self._q.put(("tomb", slot))
+
+    # ------------------------------------------------------------------ puts
+    def batched_submit_put_task(self, keys: Sequence[Any], objs: list[Any],
+                                transfer_spec: Any = None,
+                                on_complete_callback: Optional[Callable[[Any], None]] = None
+                                ) -> Optional[list[Future[None]]]:
+        """Queue the objects for the writer thread; never waits for I/O.  Puts
+        beyond ``phx_l2.max_queued_gb`` waiting bytes are dropped (counted)."""
+        if self._closed:
+            return None
+        items: list[_Put] = []
+        limit = self.slot_bytes - self.header_bytes
+        with self._lock:
+            for key, obj in zip(keys, objs):
+                ks = key.to_string()
+                e = self._index.get(ks)
+                if e is not None:
+                    self._index.move_to_end(ks)
+                    continue
+                if ks in self._pending:
+                    continue
+                nbytes = int(obj.get_size())
+                if nbytes > limit:
+                    self.counters["puts_too_big"] += 1
+                    continue
+                if self._queued_bytes + nbytes > self.max_queued:
+                    self.counters["puts_dropped_queue_full"] += 1
+                    continue
+                self._pending[ks] = nbytes
+                self._queued_bytes += nbytes
+                items.append(_Put(ks, key, obj, nbytes))
+        if not items:
+            return None
+        for p in items:
+            p.obj.ref_count_up()
+        fut: Future[None] = Future()
+        self._q.put(("put", items, on_complete_callback, fut))
+        return [fut]
+
+    def submit_put_task(self, key: Any, obj: Any,
+                        on_complete_callback: Optional[Callable[[Any], None]] = None
+                        ) -> Optional[Future[None]]:
+        futs = self.batched_submit_put_task([key], [obj],
+                                            on_complete_callback=on_complete_callback)
+        return futs[0] if futs else None
+
+    async def async_batched_submit_put_task(self, keys: Sequence[Any], objs: list[Any],
+                                            transfer_spec: Any = None,
+                                            on_complete_callback: Optional[
+                                                Callable[[Any], None]] = None) -> None:
+        self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < 64:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            tombs = [b[1] for b in batch if b[0] == "tomb"]
+            puts = [b for b in batch if b[0] == "put"]
+            try:
+                if tombs:
+                    self._write_tombstones(tombs)
+                if puts:
+                    self._write_puts(puts)
+            except BaseException as e:   # never let the writer die silently
+                log.exception("phx L2: writer failed: %s", e)
+
+    def _write_tombstones(self, slots: list[int]) -> None:
+        with self._lock:
+            todo = [s for s in dict.fromkeys(slots) if self._state[s] == _DIRTY]
+        if not todo:
+            return
+        bad = self._tombstone(todo)
+        with self._lock:
+            for s in todo:
+                if s not in bad and self._state[s] == _DIRTY:
+                    self._state[s] = _FREE
+
+    def _tombstone(self, slots: list[int]) -> set[int]:
+        """Zero the headers of ``slots``; the set of those that failed."""
+        hb = self.header_bytes
+        zero = phx.empty_aligned(hb)
+        bad: set[int] = set()
+        byfile: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        for s in slots:
+            f, off = self._slab.locate(s)
+            byfile[f.index].append((s, off))
+        for fi, lst in byfile.items():
+            f = self._slab.files[fi]
+            try:
+                f.f.pwrite_many(zero, np.array([o for _, o in lst], dtype=np.int64), hb,
+                                np.zeros(len(lst), dtype=np.int64))
+            except OSError as e:
+                self._fail("tombstone", f.path, e)
+                bad.update(s for s, _ in lst)
+        return bad
+
+    def _fail(self, what: str, path: str, e: BaseException) -> None:
+        self.counters[f"{what}_failures"] += 1
+        log.warning("phx L2: %s write failed on %s: %s", what, path, e)
+
+    def _evict_one_locked(self) -> int:
+        for ks, e in self._index.items():
+            if e.pins == 0 and e.readers == 0:
+                del self._index[ks]
+                e.removed = True
+                self.counters["evictions"] += 1
+                return e.slot
+        return -1
+
+    def _write_puts(self, batches: list[Any]) -> None:
+        puts: list[_Put] = [p for b in batches for p in b[1]]
+        # 1. slots (evicting LRU entries when none is free)
+        with self._lock:
+            for p in puts:
+                if p.ks in self._index:
+                    continue
+                slot = -1
+                while self._free:
+                    s = self._free.popleft()
+                    if self._state[s] in (_FREE, _DIRTY):
+                        slot = s
+                        break
+                if slot < 0:
+                    slot = self._evict_one_locked()
+                    if slot >= 0:
+                        self._state[slot] = _DIRTY
+                if slot < 0:
+                    self.counters["puts_no_space"] += 1
+                    continue
+                p.tomb = self._state[slot] == _DIRTY
+                self._state[slot] = _BUSY
+                p.slot = slot
+        work = [p for p in puts if p.slot >= 0]
+        try:
+            # 2. tombstones of reused slots, before their payloads are touched
+            tomb = [p.slot for p in work if p.tomb]
+            bad = self._tombstone(tomb) if tomb else set()
+            work = [p for p in work if p.slot not in bad]
+            if tomb and self.fsync:
+                self._slab.fdatasync()
+            # 3. payloads, and their crc32c on another thread meanwhile
+            crcs = self._hasher.submit(lambda: [fmt.checksum(p.obj.byte_array) for p in work])
+            futs = []
+            for p in work:
+                f, off = self._slab.locate(p.slot)
+                try:
+                    futs.append(f.f.pwrite_async(p.obj.byte_array, off + self.header_bytes))
+                except OSError as e:
+                    futs.append(e)
+            for p, fu, in zip(work, futs):
+                try:
+                    if isinstance(fu, BaseException):
+                        raise fu
+                    p.paid = fu.result() == p.nbytes
+                    if not p.paid:
+                        raise OSError(0, f"short write {fu.result()} of {p.nbytes}")
+                except OSError as e:
+                    self._fail("payload", self._slab.locate(p.slot)[0].path, e)
+            for p, c in zip(work, crcs.result()):
+                p.crc = c
+            if self.fsync:
+                self._slab.fdatasync()
+            _crash_hook("payload")
+            # 4. headers
+            self._write_headers([p for p in work if p.paid])
+            if self.fsync:
+                self._slab.fdatasync()
+        finally:
+            # 5. publish
+            with self._lock:
+                for p in puts:
+                    self._queued_bytes -= self._pending.pop(p.ks, 0)
+                    if p.slot < 0:
+                        continue
+                    if p.ok:
+                        self._index[p.ks] = _Entry(p.slot, p.nbytes, p.crc, p.seq, p.meta)
+                        self._state[p.slot] = _LIVE
+                        self.counters["puts"] += 1
+                        self.counters["put_bytes"] += p.nbytes
+                    else:
+                        self.counters["puts_failed"] += 1
+                        self._state[p.slot] = _DIRTY
+                        self._free.append(p.slot)
+            for p in puts:
+                p.obj.ref_count_down()
+            for b in batches:
+                cb = b[2]
+                if cb is not None:
+                    for p in b[1]:
+                        if p.ok:
+                            try:
+                                cb(p.key)
+                            except Exception as e:
+                                log.warning("phx L2: on_complete_callback failed for %s: %s",
+                                            p.ks, e)
+                b[3].set_result(None)
+
+    def _write_headers(self, ok: list[_Put]) -> None:
+        if not ok:
+            return
+        hb = self.header_bytes
+        buf = phx.empty_aligned(len(ok) * hb)
+        mv = memoryview(buf)
+        byfile: dict[int, list[tuple[_Put, int, int]]] = collections.defaultdict(list)
+        for i, p in enumerate(ok):
+            meta = _obj_meta(p.obj)
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+            p.seq, p.meta = seq, meta
+            f, off = self._slab.locate(p.slot)
+            try:
+                mv[i * hb:(i + 1) * hb] = fmt.encode_slot(
+                    f.uuid, fmt.SlotHeader(self._slab.local(p.slot), seq, p.nbytes, p.crc,
+                                           p.ks, meta), hb)
+            except ValueError as e:
+                p.ok = False
+                self._fail("header", f.path, e)
+                continue
+            byfile[f.index].append((p, off, i * hb))
+            p.ok = True
+        crash_after = _crash_count("header")
+        for fi, lst in byfile.items():
+            f = self._slab.files[fi]
+            if crash_after is not None:
+                lst = lst[:crash_after]
+            try:
+                f.f.pwrite_many(buf, np.array([o for _, o, _ in lst], dtype=np.int64), hb,
+                                np.array([b for _, _, b in lst], dtype=np.int64))
+            except OSError as e:
+                self._fail("header", f.path, e)
+                for p, _, _ in lst:
+                    p.ok = False
+            if crash_after is not None:
+                _crash_hook("header", force=True)
+
+    # ------------------------------------------------------------------ gets
+    def _take(self, keys: Sequence[Any], prefix: bool) -> list[Optional[_Entry]]:
+        out: list[Optional[_Entry]] = []
+        ks = [k.to_string() for k in keys]
+        with self._lock:
+            for s in ks:
+                e = self._index.get(s)
+                if e is None:
+                    if prefix:
+                        break
+                    out.append(None)
+                    continue
+                e.readers += 1
+                self._index.move_to_end(s)
+                out.append(e)
+        return out
+
+    def _give_back(self, entries: list[Optional[_Entry]]) -> None:
+        with self._lock:
+            for e in entries:
+                if e is None:
+                    continue
+                e.readers -= 1
+                if e.removed and e.readers == 0 and self._state[e.slot] == _LIVE:
+                    self._release_slot_locked(e.slot)
+
+    def _bad(self, ks: str, e: _Entry, why: str, counter: str) -> None:
+        self.counters[counter] += 1
+        with self._lock:
+            if self._index.get(ks) is e:
+                del self._index[ks]
+                e.removed = True
+            first = e.slot not in self._logged_bad
+            self._logged_bad.add(e.slot)
+        if first:
+            f, off = self._slab.locate(e.slot)
+            log.warning("phx L2: %s at slot %d (%s offset %d), key %s: served as a miss",
+                        why, e.slot, f.path, off, ks)
+
+    def _alloc(self, e: _Entry) -> Any:
+        m = e.decoded()
+        shapes = [torch.Size(s) for s in m["s"]]
+        dtypes = [_dtype_from_str(d) for d in m["d"]]
+        from lmcache.v1.memory_management import MemoryFormat
+        f = MemoryFormat(m["f"])
+        if len(shapes) == 1:
+            return self.local_cpu_backend.allocate(shapes[0], dtypes[0], f, busy_loop=False)
+        return self.local_cpu_backend.allocate(shapes, dtypes, f, busy_loop=False)
+
+    def _load(self, keys: Sequence[Any], prefix: bool) -> list[Optional[Any]]:
+        """Read and verify; a list aligned with ``keys`` (prefix: up to the first miss)."""
+        entries = self._take(keys, prefix)
+        objs: list[Optional[Any]] = [None] * len(entries)
+        try:
+            for i, e in enumerate(entries):
+                if e is None:
+                    continue
+                try:
+                    o = self._alloc(e)
+                except Exception as ex:
+                    log.warning("phx L2: cannot allocate for %s: %s", keys[i], ex)
+                    o = None
+                if o is None:
+                    self.counters["get_alloc_failures"] += 1
+                    if prefix:
+                        break
+                    continue
+                if int(o.get_size()) != e.length:
+                    o.ref_count_down()
+                    self._bad(keys[i].to_string(), e, "length mismatch", "header_failures")
+                    if prefix:
+                        break
+                    continue
+                objs[i] = o
+            self._read_verify(keys, entries, objs)
+        finally:
+            self._give_back(entries)
+        hits = 0
+        for i, o in enumerate(objs):
+            if o is not None:
+                hits += 1
+        self.counters["gets"] += len(keys)
+        self.counters["hits"] += hits
+        if prefix:
+            n = 0
+            while n < len(objs) and objs[n] is not None:
+                n += 1
+            for o in objs[n:]:
+                if o is not None:
+                    o.ref_count_down()
+            return objs[:n]
+        return objs + [None] * (len(keys) - len(objs))
+
+    def _read_verify(self, keys: Sequence[Any], entries: list[Optional[_Entry]],
+                     objs: list[Optional[Any]]) -> None:
+        hb = self.header_bytes
+        todo = [i for i, o in enumerate(objs) if o is not None]
+        if not todo:
+            return
+        hdr = phx.empty_aligned(len(todo) * hb)
+        hmv = memoryview(hdr)
+        plan: list[tuple[int, int, Any, memoryview, int]] = []   # (chunk, piece len, file, mv, off)
+        for j, i in enumerate(todo):
+            e = entries[i]
+            assert e is not None
+            f, off = self._slab.locate(e.slot)
+            plan.append((i, -1, f.f, hmv[j * hb:(j + 1) * hb], off))
+            pay = objs[i].byte_array
+            for p0 in range(0, e.length, PIECE):
+                n = min(PIECE, e.length - p0)
+                plan.append((i, n, f.f, pay[p0:p0 + n], off + hb + p0))
+        q: queue.Queue[Any] = queue.Queue()
+        self._readers.submit(self._reader, plan, q)
+        crc: dict[int, int] = {}
+        got: dict[int, int] = {}
+        hpos = {i: j for j, i in enumerate(todo)}
+        failed: dict[int, str] = {}
+        for _ in range(len(plan)):
+            (i, n, _f, mv, _off), res = q.get()
+            if isinstance(res, BaseException) or (n < 0 and res != hb) or (n >= 0 and res != n):
+                failed.setdefault(i, f"read failed ({res})" if isinstance(res, BaseException)
+                                  else "short read (truncated slab?)")
+                continue
+            if i in failed:
+                continue
+            if n < 0:
+                e = entries[i]
+                assert e is not None
+                h = fmt.decode_slot(mv, self._slab.uuid_of(e.slot), self._slab.local(e.slot))
+                if not isinstance(h, fmt.SlotHeader) or h.key != keys[i].to_string() or \
+                        h.payload_len != e.length or h.payload_crc != e.crc or h.seq != e.seq:
+                    failed[i] = f"slot header does not match ({h if isinstance(h, str) else 'other entry'})"
+            else:
+                got[i] = got.get(i, 0) + n
+                if self.verify:
+                    crc[i] = fmt.checksum(mv, crc.get(i, 0))
+        for i in todo:
+            e = entries[i]
+            o = objs[i]
+            assert e is not None and o is not None
+            why = failed.get(i)
+            counter = "header_failures"
+            if why is None and got.get(i, 0) != e.length:
+                why, counter = "short read", "short_reads"
+            if why is None and self.verify and crc.get(i, 0) != e.crc:
+                why, counter = "payload checksum mismatch", "checksum_failures"
+            if why is not None:
+                if why.startswith("short") or why.startswith("read failed"):
+                    counter = "short_reads"
+                o.ref_count_down()
+                objs[i] = None
+                self._bad(keys[i].to_string(), e, why, counter)
+                continue
+            m = e.decoded()
+            if "p" in m:
+                o.metadata.cached_positions = torch.tensor(m["p"], dtype=torch.long)
+            self.counters["get_bytes"] += e.length
+
+    def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]],
+                q: queue.Queue[Any]) -> None:
+        window: collections.deque[tuple[Any, Any]] = collections.deque()
+        limit = self.window
+        for item in plan:
+            try:
+                fut: Any = item[2].pread_async(item[3], item[4])
+            except BaseException as e:
+                fut = e
+            window.append((item, fut))
+            if len(window) > limit:
+                self._reap(window.popleft(), q)
+        while window:
+            self._reap(window.popleft(), q)
+
+    @staticmethod
+    def _reap(w: tuple[Any, Any], q: queue.Queue[Any]) -> None:
+        item, fut = w
+        if isinstance(fut, BaseException):
+            q.put((item, fut))
+            return
+        try:
+            q.put((item, fut.result()))
+        except BaseException as e:
+            q.put((item, e))
+
+    def get_blocking(self, key: Any) -> Optional[Any]:
+        return self._load([key], prefix=False)[0]
+
+    def batched_get_blocking(self, keys: list[Any]) -> list[Optional[Any]]:
+        return self._load(keys, prefix=False)
+
+    def get_non_blocking(self, key: Any, location: Optional[str] = None) -> Optional[Future[Any]]:
+        if not self.contains(key):
+            return None
+        return self._calls.submit(self.get_blocking, key)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any],
+                                       transfer_spec: Any = None) -> list[Any]:
+        return await asyncio.to_thread(self._load, keys, True)
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    # ------------------------------------------------------------------ misc
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            d = dict(self.counters)
+            d["entries"] = len(self._index)
+            d["slots"] = self._slab.slot_count
+            d["queued_bytes"] = self._queued_bytes
+        return d
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued put and tombstone is on disk (tests, close)."""
+        deadline = time.monotonic() + timeout
+        ev = threading.Event()
+        fut: Future[None] = Future()
+        fut.add_done_callback(lambda _: ev.set())
+        self._q.put(("put", [], None, fut))
+        return ev.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(30.0)
+        self._q.put(None)
+        self._writer.join(30.0)
+        self._hasher.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._calls.shutdown(wait=True)
+        self._slab.close()
+        log.info("phx L2: closed: %s", {k: v for k, v in self.stats().items() if v})
+
+
+def _crash_count(stage: str) -> int | None:
+    """Test hook (PHX_L2_TEST_CRASH=header:N): write only N headers, then die."""
+    v = os.environ.get("PHX_L2_TEST_CRASH", "")
+    if not v.startswith(stage + ":"):
+        return None
+    return int(v.split(":", 1)[1])
+
+
+def _crash_hook(stage: str, force: bool = False) -> None:
+    """Test hook: SIGKILL this process at a stage of a put batch
+    (PHX_L2_TEST_CRASH=payload: after the payloads, before any header)."""
+    v = os.environ.get("PHX_L2_TEST_CRASH", "")
+    if v == stage or force:
+        os.kill(os.getpid(), 9)
