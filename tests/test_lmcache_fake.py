@@ -383,8 +383,9 @@ def _filling_fs(kind: str, tmp_path):
     return cm()
 
 
+@pytest.mark.parametrize("hook", ["hook", "nohook"])
 @pytest.mark.parametrize("fs", ["ext4", "xfs"])
-def test_failed_store_is_not_admitted(fake_libcuda, tmp_path, fs):
+def test_failed_store_is_not_admitted(fake_libcuda, tmp_path, fs, hook):
     """LMCache's store and retrieve steps on a slab whose device starts failing
     writes (the loop device's backing filesystem filled): the stores' slab
     writes fail (ENOSPC or EIO in bytes_done, which LMCache never reads); the
@@ -392,9 +393,17 @@ def test_failed_store_is_not_admitted(fake_libcuda, tmp_path, fs):
     vLLM recomputes), their slab space is freed, a load of their range is
     refused (a failed retrieve, the destination untouched), the earlier good
     chunks load byte-exact, and once the device has room the same keys store
-    and load byte-exact."""
+    and load byte-exact.  Without the hook (PHX_LMCACHE_HOOK=0) LMCache admits
+    the failed stores, and its own retrieve of them fails (libphxfile refuses
+    the loads at submission) instead of serving old or zero bytes."""
+    env = _server_env(fake_libcuda)
+    if hook == "nohook":
+        import phx_lmcache
+        env.update(PHX_LMCACHE_HOOK="0", LD_LIBRARY_PATH=os.pathsep.join(
+            [str(fake_libcuda), os.path.dirname(phx_lmcache.library_path())]))
     with _filling_fs(fs, tmp_path) as (mnt, back):
         r = support.run_py(SERVER, ["failed_store", os.path.join(mnt, "gds"), back],
-                           _server_env(fake_libcuda), timeout=240)
+                           env, timeout=240)
     assert "ok failed_store" in r.stdout, r.stdout + r.stderr
-    assert "store(s) not admitted: their slab write failed" in r.stderr, r.stderr
+    if hook == "hook":
+        assert "store(s) not admitted: their slab write failed" in r.stderr, r.stderr

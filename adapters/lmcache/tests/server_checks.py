@@ -262,6 +262,23 @@ def mode_failed_store(location: str, backing: str) -> None:
     after = phx_lmcache.stats()
     assert after["failures"] >= before["failures"] + 2, (before, after)
     assert after["last_error"] in (-28, -5), after["last_error"]
+    if os.environ.get("PHX_LMCACHE_HOOK") == "0":
+        # without the hook LMCache admits the failed stores (it never reads
+        # bytes_done) and keeps their space; libphxfile refuses their loads,
+        # so the retrieve fails instead of serving the old or zero bytes
+        assert all(k in l1._objects for k in bad_keys), "LMCache did not admit them?"
+        for i in range(2):
+            st.view(i)[:] = 0x5A
+        ok, why = retrieve(l1, st, bad_keys)
+        assert not ok and "rc=-5" in why, (ok, why)
+        assert (st.view(0) == 0x5A).all() and (st.view(1) == 0x5A).all(), \
+            "a failed retrieve wrote KV"
+        ok, why = retrieve(l1, st, good_keys)
+        assert ok, why
+        for i in range(2):
+            assert (st.view(i) == good[i]).all(), f"good chunk {i} differs"
+        print("ok failed_store", flush=True)
+        return
     # not admitted, and the space given back
     assert all(k not in l1._objects for k in bad_keys), "a failed store was admitted"
     assert l1.get_memory_usage()[0] == used_good, \
