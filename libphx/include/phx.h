@@ -366,7 +366,13 @@ void phx_engine_stats_reset(phx_engine *eng);
  */
 typedef struct phx_stats_source phx_stats_source;
 
-/* Fill @vals[0..n) with a source's current counters (no blocking work). */
+/*
+ * Fill @vals[0..n) with a source's current counters.  It is called with
+ * libphx's publication lock held: it must not wait for a lock whose holder
+ * may add or remove a source (or create an engine or GPU context, which do);
+ * when it cannot read its counters now it returns leaving @vals, which hold
+ * the values last published.
+ */
 typedef void (*phx_stats_fill_fn)(void *arg, uint64_t *vals, uint32_t n);
 
 /*

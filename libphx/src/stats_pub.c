@@ -372,12 +372,13 @@ static void publish_locked(void)
 	struct shm_slot *s;
 
 	for (src = pub.head; src; src = src->next) {
-		memset(vals, 0, sizeof(vals));
+		s = slot_at(src->slot);
+		/* a fill that cannot read its counters now leaves the last ones */
+		memcpy(vals, s->values, sizeof(vals));
 		if (src->fill)
 			src->fill(src->arg, vals, src->n);
 		else
 			fill_fields(src, vals);
-		s = slot_at(src->slot);
 		slot_begin(s);
 		memcpy(s->values, vals, sizeof(vals));
 		s->updated_ns = t;
