@@ -87,6 +87,7 @@ $T info
 # On a P2PDMA kernel the ivshmem device is bound to phx (one P2PDMA
 # publication of its BAR for as long as it is bound).
 P2P=0
+P2PMEM=/sys/bus/pci/devices/$B/p2pmem
 if [ "$(( $($T info | sed -n 's/.* flags \(0x[0-9a-f]*\|[0-9]*\) .*/\1/p') & 2 ))" != 0 ] &&
 	[ "${PHX_SUITE_BIND:-1}" = 1 ]; then
 	echo phx >/sys/bus/pci/devices/$B/driver_override
@@ -136,7 +137,6 @@ done
 $T hold "$B" 2 0 $((16 * M)) >/tmp/hold.log &
 HP=$!
 for _ in $(seq 100); do grep -q PHX-HOLDING /tmp/hold.log && break; sleep 0.1; done
-P2PMEM=/sys/bus/pci/devices/$B/p2pmem
 if [ $P2P = 1 ] && [ ! -d $P2PMEM ]; then
 	fail "p2pdma-state: no $P2PMEM while the device is bound to phx"
 fi
