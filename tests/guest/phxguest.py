@@ -527,7 +527,7 @@ def qemu_cmd(a, kern, initrd, rundir, shm):
            "-kernel", str(kern.vmlinuz), "-initrd", str(initrd),
            # debug kernel: 4-level paging (-cpu max offers LA57, and KASAN reported
            # a wild access in rcu_is_watching() from an interrupt during early boot
-           # with it, which tainted the kernel and turned lockdep off for the run)
+           # with it once, which tainted the kernel and turned lockdep off for the run)
            "-append", f"console=ttyS0 loglevel=4 panic=-1 phx.run={rundir}"
                       + (" no5lvl" if kern.name == "debug" else ""),
            "-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,"
