@@ -16,13 +16,13 @@ from phx.kv.budget import Budget, cgroup_memory, measure_budget, parse_proc_cgro
 from phx.kv.codma import CudaError, Relay, RelayPool
 from phx.kv.pipeline import CROSS, INTRA, AdaptivePipeline, CopyJob
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
-from phx.kv.slab import (DirectBackend, Extent, ExtentAllocator, PageCacheBackend,
-                         SlabBackend)
+from phx.kv.slab import (DirectBackend, Extent, ExtentAllocator, MemoryBackend,
+                         PageCacheBackend, SlabBackend)
 from phx.kv.store import KVStore, KVTensor, Plan
 
 __all__ = [
     "AdaptivePipeline", "Budget", "CROSS", "CopyJob", "CudaError", "DIRECT", "DirectBackend", "Extent",
-    "ExtentAllocator", "INTRA", "KVStore", "KVTensor", "PAGECACHE", "PageCacheBackend",
+    "ExtentAllocator", "INTRA", "KVStore", "MemoryBackend", "KVTensor", "PAGECACHE", "PageCacheBackend",
     "Placement", "Plan", "Relay", "RelayPool", "SlabBackend", "cgroup_memory", "measure_budget",
     "parse_proc_cgroup", "place_layers",
 ]

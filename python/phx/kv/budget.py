@@ -51,6 +51,10 @@ class Budget:
     reserve: int
     override: int | None = None
     own: int = 0
+    #: bytes the cgroup holds that reclaim cannot free without waiting (dirty and
+    #: under-writeback file pages now): subtracted for a Group 1 in memory, whose
+    #: own pages are never reclaimable (see ``measure_budget(held_dirty=True)``)
+    held: int = 0
 
     @property
     def cgroup_headroom(self) -> int | None:
@@ -67,7 +71,16 @@ class Budget:
         """B_pc: bytes of KV the page-cache path may hold."""
         if self.override is not None:
             return max(0, self.override)
-        return max(0, self.headroom - self.pinned - self.reserve)
+        return max(0, self.headroom - self.pinned - self.reserve - self.held)
+
+    @property
+    def dirty_threshold(self) -> int | None:
+        """The dirty-page threshold that applies to the binding cgroup (cgroup v2:
+        ``vm.dirty_ratio`` of its cap, or ``vm.dirty_bytes``; v1: the global
+        one, taken against MemAvailable): how much of the cap buffered writers may
+        leave dirty before they are throttled.  Information: the budget subtracts
+        what is dirty now (:attr:`held`), not this ceiling."""
+        return dirty_threshold(self.cgroup, self.mem_available)
 
     def explain(self) -> str:
         lines = [f"MemAvailable            {self.mem_available / MiB:12.1f} MiB"]
@@ -87,6 +100,11 @@ class Budget:
         lines.append(f"headroom (the smaller)  {self.headroom / MiB:12.1f} MiB")
         lines.append(f"- pinned copy buffers   {self.pinned / MiB:12.1f} MiB")
         lines.append(f"- reserve               {self.reserve / MiB:12.1f} MiB")
+        if self.held:
+            lines.append(f"- dirty + writeback now {self.held / MiB:12.1f} MiB")
+        dt = self.dirty_threshold
+        if dt is not None:
+            lines.append(f"  (dirty threshold      {dt / MiB:12.1f} MiB: information)")
         if self.override is not None:
             lines.append(f"B_pc (set by caller)    {self.bytes / MiB:12.1f} MiB")
         else:
@@ -110,6 +128,8 @@ class Budget:
             "pinned": self.pinned,
             "reserve": self.reserve,
             "override": self.override,
+            "held_dirty": self.held,
+            "dirty_threshold": self.dirty_threshold,
             "budget": self.bytes,
         }
 
@@ -121,13 +141,50 @@ def default_reserve(headroom: int) -> int:
 def measure_budget(pinned_bytes: int = 0, reserve: int | None = None,
                    override: int | None = None, root: str = "/sys/fs/cgroup",
                    meminfo: str = "/proc/meminfo", pid: int | str = "self",
-                   own_bytes: int = 0) -> Budget:
+                   own_bytes: int = 0, held_dirty: bool = False) -> Budget:
     """Measure B_pc now (MemAvailable, the cgroup's limit and usage, pinned, reserve).
 
     ``own_bytes``: the caller's page cache already charged to the cgroup (a store's
     resident Group 1), added back so that B_pc is the total Group 1 may hold.
+    ``held_dirty``: also subtract the binding cgroup's dirty and under-writeback
+    pages (a Group 1 in memory cannot be reclaimed, so the room it takes must be
+    room reclaim could give back at once).
     """
     cg = cgroup_memory(pid, root)
     b = Budget(mem_available(meminfo), cg, int(pinned_bytes), 0, override, int(own_bytes))
     b.reserve = default_reserve(b.headroom) if reserve is None else int(reserve)
+    if held_dirty and cg is not None and cg.binding is not None:
+        b.held = cg.binding.dirty + cg.binding.writeback
     return b
+
+
+def _sysctl(name: str) -> int | None:
+    try:
+        with open(f"/proc/sys/vm/{name}") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def dirty_threshold(cg: CgroupMemory | None, mem_avail: int) -> int | None:
+    """``vm.dirty_bytes`` or ``vm.dirty_ratio`` % of the binding cgroup's cap (v2,
+    which keeps dirty pages per cgroup) or of MemAvailable (v1: global only)."""
+    db = _sysctl("dirty_bytes")
+    if db:
+        return db
+    ratio = _sysctl("dirty_ratio")
+    if ratio is None:
+        return None
+    b = cg.binding if cg is not None else None
+    base = b.cap if (b is not None and cg is not None and cg.dirty_accounting) else mem_avail
+    return base * ratio // 100
+
+
+def cgroup_room(pid: int | str = "self", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes that may still be charged before the tightest cap of this process's
+    memory cgroup (its binding level's cap - usage), None where no level is capped.
+    Reads only the limit and usage files of each level (cheap: the store's guard
+    polls it)."""
+    cg = cgroup_memory(pid, root)
+    b = cg.binding if cg is not None else None
+    return b.headroom if b is not None else None

@@ -475,3 +475,46 @@ class PageCacheBackend(_FileBackendBase):
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class MemoryBackend(PageCacheBackend):
+    """Group 1 in memory that is never written back: one ``memfd`` (shmem) file.
+
+    Its pages are charged to the process's memory cgroup like any page cache, but
+    they are never dirty file pages of a disk: nothing is written to the device
+    during prefill (no flusher burst later, no dirty-limit throttling), and with
+    swap off (the benches' caps) the kernel cannot reclaim them either -- so their
+    size is the store's to keep inside the cap: :meth:`materialize` allocates an
+    extent at once (``fallocate``: charged then, not at the first write), the
+    store checks the cgroup's room first and moves tensors to Group 2 when the
+    room shrinks (:meth:`phx.kv.KVStore.rebalance`, the store's guard).
+    ``discard`` punches the extent out (the memory is uncharged at once).
+    """
+
+    def __init__(self, name: str = "phx-kv-group1"):
+        _FileBackendBase.__init__(self, f"memfd:{name}", None)
+        self._fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.write_behind = False
+        self._behind = None
+
+    def materialize(self, ext: Extent) -> None:
+        if ext.start in self._materialized:
+            return
+        _sys.fallocate(self._fd, ext.start, ext.length, 0, self.path)
+        self._size = max(self._size, ext.end)
+        self._materialized.add(ext.start)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of memory the file holds now (its allocated blocks): what Group 1
+        has charged to the cgroup."""
+        return os.fstat(self._fd).st_blocks * 512
+
+    def evict(self, ext: Extent) -> None:
+        raise ValueError("Group 1 in memory is not evicted: move it to Group 2")
+
+    def close(self, unlink: bool = True) -> None:
+        if self._fd < 0:
+            return
+        self._discard_all()
+        os.close(self._fd)
+        self._fd = -1

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +27,11 @@ import numpy.typing as npt
 
 from phx.kv import _sys
 from phx.kv.nvme_backend import from_env as nvme_from_env
+from phx.kv import budget as _budget
 from phx.kv.budget import Budget, MiB, cgroup_memory, measure_budget
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
-from phx.kv.slab import DirectBackend, Extent, PageCacheBackend, SlabBackend, round_up
+from phx.kv.slab import (DirectBackend, Extent, MemoryBackend, PageCacheBackend, SlabBackend,
+                         round_up)
 
 if TYPE_CHECKING:
     from phx import Engine, PhxFuture
@@ -36,6 +40,65 @@ if TYPE_CHECKING:
     from phx.kv.pipeline import CopyJob
 
 MODES = ("dual", "direct", "pagecache")
+#: where Group 1 lives: a buffered file (the paper's page-cache path) or a memfd
+#: (shmem) that is never written back (Dual-Blade v2, issue 26)
+GROUP1_KINDS = ("pagecache", "memory")
+#: the copy buffer of a move between the groups (small: a move under memory
+#: pressure must not need much memory)
+MOVE_CHUNK = 1 << 20
+
+
+class _Gate:
+    """Many I/O calls at once, or one move between the groups (which waits for the
+    calls in progress and holds new ones back).  A thread already inside passes
+    again (a read that falls back to another read)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._active = 0
+        self._moving = False
+        self._mine = threading.local()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._mine, "depth", 0)
+        if depth:
+            self._mine.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._mine.depth = depth
+            return
+        with self._cv:
+            while self._moving:
+                self._cv.wait()
+            self._active += 1
+        self._mine.depth = 1
+        try:
+            yield
+        finally:
+            self._mine.depth = 0
+            with self._cv:
+                self._active -= 1
+                if not self._active:
+                    self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        if getattr(self._mine, "depth", 0):
+            raise RuntimeError("a move between the groups from inside an I/O call")
+        with self._cv:
+            while self._moving:
+                self._cv.wait()
+            self._moving = True
+            while self._active:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._moving = False
+                self._cv.notify_all()
 GROUP_NAMES = {PAGECACHE: "pagecache", DIRECT: "direct", None: "unbound"}
 
 
@@ -200,6 +263,14 @@ class KVStore:
         copy_threads: relays for GPU transfers (the paper's N_threads).
         relays: a :class:`~phx.kv.codma.RelayPool` to use instead of making one
             (e.g. one pool kept over several stores); not closed by :meth:`destroy`.
+        group1: ``"pagecache"`` (a buffered file: the paper's Group 1) or
+            ``"memory"`` (a memfd never written back: charged to the cgroup,
+            sized by the budgeter with the cgroup's terms, and guarded: a
+            thread polls the cgroup's room and moves Group 1's last layers to
+            Group 2 when it falls under ``guard`` bytes; see :meth:`rebalance`).
+        guard: the room (bytes below the tightest cap) under which Group 1 in
+            memory shrinks (default 4 MiB + 1% of the cap; 0: no guard thread).
+        guard_interval: seconds between the guard's looks at the cgroup.
         write_behind: start the writeback of each page-cache write of at least
             :data:`~phx.kv.slab.WRITE_BEHIND_MIN` bytes at once, so Group 1 stays
             cached but clean.  ``None`` (the default): :func:`write_behind_default`
@@ -213,9 +284,24 @@ class KVStore:
                  slab_capacity: int | None = None, engine: Engine | None = None,
                  device: int | None = None, copy_threads: int = 2,
                  relays: RelayPool | None = None,
-                 write_behind: bool | None = None):
+                 write_behind: bool | None = None,
+                 group1: str = "pagecache", guard: int | None = None,
+                 guard_interval: float = 0.05):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if group1 not in GROUP1_KINDS:
+            raise ValueError(f"group1 must be one of {GROUP1_KINDS}, not {group1!r}")
+        if group1 == "memory" and mode == "pagecache":
+            raise ValueError("group1='memory' is for dual mode (CachePolicy-only is the "
+                             "page cache's)")
+        self.group1 = group1
+        self._guard_bytes = guard
+        self._guard_interval = float(guard_interval)
+        self._guard_thread: threading.Thread | None = None
+        self._guard_stop = threading.Event()
+        self._gate = _Gate()
+        #: what the guard and rebalance() moved: [(what, layer, bytes, why)]
+        self.moves: list[tuple[str, int, int, str]] = []
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.mode = mode
@@ -264,7 +350,8 @@ class KVStore:
     def measure_budget(self) -> Budget:
         """B_pc now: what Group 1 may hold in total (its resident pages included)."""
         return measure_budget(self.pinned_bytes + self.relay_bytes_to_pin(), self.reserve,
-                              self.budget_override, own_bytes=self.resident_group1_bytes())
+                              self.budget_override, own_bytes=self.resident_group1_bytes(),
+                              held_dirty=self.group1 == "memory")
 
     def relay_bytes_to_pin(self) -> int:
         """Co-DMA relay bytes this store will still pin (for ``device=`` stores whose
@@ -310,6 +397,8 @@ class KVStore:
     def resident_group1_bytes(self) -> int:
         """Bytes of this store's Group 1 in the page cache now (``cachestat``; where
         it is missing, every materialized Group 1 extent counts as resident)."""
+        if isinstance(self._pc, MemoryBackend):
+            return self._pc.allocated_bytes()
         total = 0
         for t in list(self._tensors.values()):
             if t.group != PAGECACHE or not t.materialized or t.extent is None:
@@ -325,6 +414,11 @@ class KVStore:
         """Bind every unbound tensor (Algorithm 1) and explain the whole placement."""
         self._check_open()
         with self._lock:
+            if self.group1 == "memory" and self.mode == "dual":
+                # the direct path's engine (rings, bounce buffers: ~8 MiB) exists
+                # before Group 1 is sized: made later, by the first layer that
+                # goes there, it would take memory the budget handed to Group 1
+                self._direct_backend()
             budget = self.measure_budget()
             unbound = [t for t in self.tensors() if t.group is None]
             bound_g1 = sum(t.extent.length for t in self._tensors.values()
@@ -356,6 +450,166 @@ class KVStore:
             self._last_plan = Plan(self.mode, budget, knob, placement, self.tensors())
             return self._last_plan
 
+    # -- Group 1 in memory: the guard, and moves between the groups -----------
+    def guard_bytes(self) -> int:
+        """The room under the tightest cap below which Group 1 in memory shrinks."""
+        if self._guard_bytes is not None:
+            return int(self._guard_bytes)
+        cg = cgroup_memory()
+        b = cg.binding if cg is not None else None
+        return 4 * MiB + (b.cap // 100 if b is not None else 0)
+
+    def _room(self) -> int:
+        """Bytes that may still be charged now: the tightest cap's room, or
+        MemAvailable where no cgroup level is capped."""
+        r = _budget.cgroup_room()
+        return _budget.mem_available() if r is None else r
+
+    def _admit_group1(self, layer: int) -> None:
+        """Before Group 1 in memory grows by a layer: the cgroup must still have
+        room for it above the guard; if not, that layer and every later layer
+        still unmaterialized go to Group 2 (a budget that was wrong shrinks Group
+        1; it never charges memory the cap does not have).  Store lock held."""
+        grow = [t for t in self._tensors.values()
+                if t.group == PAGECACHE and not t.materialized and t.layer == layer]
+        need = sum(t.extent.length for t in grow if t.extent is not None)
+        room = self._room()
+        if room - need >= self.guard_bytes():
+            return
+        later = sorted((t for t in self._tensors.values()
+                        if t.group == PAGECACHE and not t.materialized and t.layer >= layer),
+                       key=lambda t: (t.layer, t.kind, t.id))
+        self._rebind(later, DIRECT)
+        for L in sorted({t.layer for t in later}):
+            self.moves.append(("demote", L, sum(t.nbytes for t in later if t.layer == L),
+                               f"admission: room {room} < need {need} + guard"))
+
+    def _rebind(self, ts: list[KVTensor], group: int) -> None:
+        """Move unmaterialized tensors to ``group`` (a new run there)."""
+        if not ts:
+            return
+        old = self._pagecache() if group == DIRECT else self._direct_backend()
+        new = self._direct_backend() if group == DIRECT else self._pagecache()
+        for t in ts:
+            assert t.extent is not None and not t.materialized
+            old.discard(t.extent)
+        for t, e in zip(ts, new.bind([t.nbytes for t in ts])):
+            t.group, t.extent = group, e
+
+    def _move_layers(self, layers: list[int], group: int, why: str) -> None:
+        """Move every tensor of ``layers`` to ``group``, data and all (gate held
+        exclusively: no I/O in progress).  A layer's K and V form one run there;
+        each old extent is discarded right after its copy (a demotion under
+        pressure frees memory tensor by tensor)."""
+        for L in layers:
+            ts = sorted((t for t in self._tensors.values() if t.layer == L and t.group != group
+                         and t.group is not None), key=lambda t: (t.kind, t.id))
+            if not ts:
+                continue
+            old_be = self.backend_of(ts[0])
+            new_be = self._direct_backend() if group == DIRECT else self._pagecache()
+            exts = new_be.bind([t.nbytes for t in ts])
+            buf = None
+            for t, e in zip(ts, exts):
+                assert t.extent is not None and old_be is not None
+                if t.materialized:
+                    new_be.materialize(e)
+                    if buf is None:
+                        buf = _sys.aligned_empty(MOVE_CHUNK)
+                    n = min(t.extent.length, e.length)
+                    for pos in range(0, n, MOVE_CHUNK):
+                        k = min(MOVE_CHUNK, n - pos)
+                        old_be.read(buf[:k], t.extent.start + pos)
+                        new_be.write(buf[:k], e.start + pos)
+                old_be.discard(t.extent)
+                t.group, t.extent = group, e
+            self.moves.append(("demote" if group == DIRECT else "promote", L,
+                               sum(t.nbytes for t in ts), why))
+
+    def rebalance(self) -> dict[str, Any]:
+        """Re-measure the budget and move whole layers between the groups.
+
+        Call it between steps, with no I/O of this store in progress (no
+        ``write_async`` future pending): Group 1 is grown by the next Group 2
+        layers (lowest first) while they fit the budget now -- the room the
+        non-KV footprint left after warm-up -- and shrunk from its last layer
+        while it is over it, so Group 1 stays a prefix of the layers.  Returns
+        ``{"promoted": [...], "demoted": [...], "budget": B_pc, "group1_bytes":
+        ...}``.  Direct-only and CachePolicy-only stores do not move.
+        """
+        self._check_open()
+        out: dict[str, Any] = {"promoted": [], "demoted": []}
+        if self.mode != "dual":
+            return out
+        with self._gate.exclusive(), self._lock:
+            budget = self.measure_budget()
+            target = budget.bytes
+            pair: dict[int, int] = {}
+            for t in self._tensors.values():
+                if t.group is not None and t.extent is not None:
+                    pair[t.layer] = pair.get(t.layer, 0) + round_up(t.nbytes, 4096)
+            g1 = sorted({t.layer for t in self._tensors.values() if t.group == PAGECACHE})
+            g2 = sorted({t.layer for t in self._tensors.values() if t.group == DIRECT})
+            cur = sum(pair[L] for L in g1)
+            while g1 and cur > target:
+                L = g1.pop()
+                self._move_layers([L], DIRECT, f"rebalance: Group 1 {cur} > budget {target}")
+                out["demoted"].append(L)
+                cur -= pair[L]
+            if not out["demoted"]:
+                # grow only above the guard too: the budget's reserve is the margin
+                while g2 and cur + pair[g2[0]] <= target and \
+                        self._room() - pair[g2[0]] >= self.guard_bytes():
+                    L = g2.pop(0)
+                    self._move_layers([L], PAGECACHE, f"rebalance: room for {pair[L]} "
+                                                      f"under budget {target}")
+                    out["promoted"].append(L)
+                    cur += pair[L]
+            out["budget"] = target
+            out["group1_bytes"] = cur
+            self._last_plan = Plan(self.mode, budget, max(0, target - cur), None, self.tensors())
+        return out
+
+    def shed(self, nbytes: int, why: str = "shed") -> list[int]:
+        """Move Group 1's last layers to Group 2 until ``nbytes`` are freed (or
+        Group 1 is empty); the layers moved.  Waits for I/O in progress."""
+        moved: list[int] = []
+        with self._gate.exclusive(), self._lock:
+            if self._closed:
+                return moved
+            freed = 0
+            while freed < nbytes:
+                g1 = [t for t in self._tensors.values() if t.group == PAGECACHE]
+                if not g1:
+                    break
+                L = max(t.layer for t in g1)
+                freed += sum(t.extent.length for t in g1 if t.layer == L and t.extent
+                             and t.materialized)
+                self._move_layers([L], DIRECT, why)
+                moved.append(L)
+        return moved
+
+    def _start_guard(self) -> None:
+        if self._guard_thread is not None or self._guard_interval <= 0 or \
+                self._guard_bytes == 0 or _budget.cgroup_room() is None:
+            return
+        self._guard_thread = threading.Thread(target=self._guard_loop, name="phx-kv-guard",
+                                              daemon=True)
+        self._guard_thread.start()
+
+    def _guard_loop(self) -> None:
+        low = self.guard_bytes()
+        while not self._guard_stop.wait(self._guard_interval):
+            try:
+                room = _budget.cgroup_room()
+            except OSError:
+                continue
+            pc = self._pc
+            if room is not None and room < low and isinstance(pc, MemoryBackend) and \
+                    pc.allocated_bytes() > 0:
+                # free twice the shortfall: one layer at a time until there is room
+                self.shed(2 * low - room, f"guard: room {room} < {low}")
+
     @property
     def last_plan(self) -> Plan | None:
         return self._last_plan
@@ -363,6 +617,8 @@ class KVStore:
     @property
     def write_behind(self) -> bool:
         """Whether Group 1's writes are written behind (see the constructor)."""
+        if self.group1 == "memory":
+            return False
         if self._pc is not None:
             return self._pc.write_behind
         if self._write_behind is not None:
@@ -371,8 +627,12 @@ class KVStore:
 
     def _pagecache(self) -> PageCacheBackend:
         if self._pc is None:
-            self._pc = PageCacheBackend(os.path.join(self.directory, "kv-pagecache.bin"),
-                                        write_behind=self.write_behind)
+            if self.group1 == "memory":
+                self._pc = MemoryBackend(f"phx-kv-{os.getpid()}-{id(self):x}")
+                self._start_guard()
+            else:
+                self._pc = PageCacheBackend(os.path.join(self.directory, "kv-pagecache.bin"),
+                                            write_behind=self.write_behind)
         return self._pc
 
     def _direct_backend(self) -> DirectBackend:
@@ -394,6 +654,8 @@ class KVStore:
                 self._check_open()
                 if t.group is None:
                     self.plan()
+                if not t.materialized and t.group == PAGECACHE and self.group1 == "memory":
+                    self._admit_group1(t.layer)
                 if not t.materialized:
                     be, ext = self.backend_of(t), t.extent
                     assert be is not None and ext is not None       # planned above
@@ -417,6 +679,10 @@ class KVStore:
         stream, after the work queued on ``src``'s stream) -> storage.
         """
         self._check_open()
+        with self._gate.shared():
+            return self._write(t, start, src)
+
+    def _write(self, t: KVTensor, start: int, src: Any) -> int:
         from phx.kv.codma import gpu_view
         g = gpu_view(src)
         if g is not None:
@@ -465,8 +731,9 @@ class KVStore:
         pipeline can overlap and time the two."""
         from phx.kv.codma import gpu_view
         from phx.kv.pipeline import CopyJob
-        self._ready(t)
-        off, ln = self._range(t, start, stop)
+        with self._gate.shared():
+            self._ready(t)
+            off, ln = self._range(t, start, stop)
         g = gpu_view(out)
         if g is None:
             dst = _byte_view(out, writable=True)
@@ -477,14 +744,18 @@ class KVStore:
         if nbytes != ln:
             raise ValueError(f"destination holds {nbytes} bytes, rows [{start}:{stop}] "
                              f"are {ln}")
-        be = self._ready(t)
         pool = self._relays
 
         def read(relay_buf: npt.NDArray[np.uint8]) -> int:
             if ln > relay_buf.nbytes:
                 return 0                    # bigger than a relay: dma() moves it in pieces
             if ln:
-                be.read(relay_buf[:ln], off)
+                # where the tensor is now (a move between the groups may have
+                # happened since the job was made)
+                with self._gate.shared():
+                    be = self._ready(t)
+                    o, _ = self._range(t, start, stop)
+                    be.read(relay_buf[:ln], o)
             return ln
 
         def dma(relay_buf: npt.NDArray[np.uint8], nb: int) -> None:
@@ -510,6 +781,10 @@ class KVStore:
         write synchronously.
         """
         self._check_open()
+        with self._gate.shared():
+            return self._write_async(t, start, src)
+
+    def _write_async(self, t: KVTensor, start: int, src: Any) -> PhxFuture:
         from phx.kv.codma import gpu_view
         from phx.kv.slab import Done
         g = gpu_view(src)
@@ -537,6 +812,10 @@ class KVStore:
         relay's stream (done when this returns).
         """
         self._check_open()
+        with self._gate.shared():
+            return self._read(t, start, stop, out)
+
+    def _read(self, t: KVTensor, start: int, stop: int | None, out: Any) -> Any:
         stop = t.rows if stop is None else stop
         be = self._ready(t)
         off, ln = self._range(t, start, stop)
@@ -571,6 +850,10 @@ class KVStore:
 
     def cached_pages(self, t: KVTensor, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(pages of rows ``[start:stop]`` in the page cache, pages) via ``cachestat``."""
+        with self._gate.shared():
+            return self._cached_pages(t, start, stop)
+
+    def _cached_pages(self, t: KVTensor, start: int, stop: int | None) -> tuple[int, int]:
         stop = t.rows if stop is None else stop
         if t.extent is None or not t.materialized:
             return 0, 0
@@ -600,6 +883,9 @@ class KVStore:
 
     def destroy(self, unlink: bool = True) -> None:
         """Free every tensor, punch the files empty, close (and remove) them."""
+        self._guard_stop.set()
+        if self._guard_thread is not None and self._guard_thread is not threading.current_thread():
+            self._guard_thread.join()
         with self._lock:
             if self._closed:
                 return
