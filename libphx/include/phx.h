@@ -316,7 +316,9 @@ int phx_poll(phx_engine *eng, struct phx_io **done, size_t max);
 
 /*
  * An eventfd that becomes readable whenever the engine may have progress to
- * report: read it (to reset), then call phx_poll().  Owned by the engine.
+ * report: read it (to reset), then call phx_poll().  It is readable again
+ * after a phx_poll() that left completed requests behind (more than @max).
+ * Owned by the engine.
  */
 int phx_engine_eventfd(phx_engine *eng);
 

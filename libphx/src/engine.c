@@ -688,6 +688,13 @@ PHX_EXPORT int phx_poll(phx_engine *eng, struct phx_io **done, size_t max)
 		io_priv(io)->pollable = 0;
 		done[n++] = io;
 	}
+	/*
+	 * More than @max were done: keep the eventfd readable for the rest.  A
+	 * caller reads it, then polls; the threads backend publishes from its
+	 * workers, so every completion may have been counted before that read.
+	 */
+	if (eng->poll_head)
+		engine_notify(eng);
 	pthread_mutex_unlock(&eng->lock);
 	return (int)n;
 }

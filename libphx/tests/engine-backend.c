@@ -12,11 +12,13 @@
  * that errno.  The filter is raw BPF so that this test needs no libseccomp
  * (tests/seccomp/ runs whole suites under libseccomp's).  A forked child
  * cannot use its parent's threads engine (-ECHILD, no hang) but can
- * destroy it and make its own.
+ * destroy it and make its own.  The eventfd stays readable while phx_poll()
+ * leaves completed requests behind.
  */
 #include <linux/audit.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <poll.h>
 #include <stddef.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -226,11 +228,54 @@ static void forked(void)
 	free(data); free(buf);
 }
 
+/*
+ * The eventfd stays readable while phx_poll() leaves completed requests
+ * behind: on threads every completion may be published (and counted on the
+ * eventfd) before the caller reads it, so a caller that reads, then polls
+ * 64 at a time, must be woken for the rest.
+ */
+static void eventfd_rearm(void)
+{
+	enum { N = 200 };
+	phx_engine *eng = engine_on(PHX_BACKEND_THREADS, 0);
+	const char *path = t_path("efd");
+	unsigned char *data = t_random_file(path, N * 4096), *buf = t_alloc(N * 4096, 4096);
+	phx_file *f = t_open(eng, path, O_RDONLY, 0);
+	struct phx_io ios[N], *ptrs[N], *done[64];
+	struct pollfd pfd;
+	int efd = phx_engine_eventfd(eng), got = 0, i, n;
+	uint64_t v;
+
+	T_CHECK(efd >= 0, "eventfd");
+	for (i = 0; i < N; i++) {
+		phx_io_prep(&ios[i], f, PHX_OP_READ, buf + i * 4096, 4096, (uint64_t)i * 4096);
+		ptrs[i] = &ios[i];
+	}
+	T_CHECK(phx_submit(eng, ptrs, N) == 0, "submit");
+	for (i = 0; i < N; i++)	/* workers complete them with nobody polling */
+		while (!__atomic_load_n(&ios[i].done, __ATOMIC_ACQUIRE))
+			usleep(100);
+	while (got < N) {
+		pfd.fd = efd;
+		pfd.events = POLLIN;
+		T_CHECK(poll(&pfd, 1, 0) == 1, "eventfd not readable with %d of %d handed back", got, N);
+		(void)!read(efd, &v, sizeof(v));
+		n = phx_poll(eng, done, 64);
+		T_CHECK(n > 0, "phx_poll %d", n);
+		got += n;
+	}
+	T_SAME(buf, data, N * 4096, "async reads");
+	T_CHECK(phx_file_close(f) == 0, "close");
+	T_CHECK(phx_engine_destroy(eng) == 0, "destroy");
+	free(data); free(buf);
+}
+
 int main(void)
 {
 	t_seed();
 	unsetenv("PHX_ENGINE");
 	selection();
+	eventfd_rearm();
 	forked();
 #ifdef T_AUDIT_ARCH
 	fallback_in_child(EPERM);
