@@ -132,6 +132,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._queued_bytes = 0
         self._seq = 0
         self._logged_bad: set[int] = set()
+        self._logged_fail: set[tuple[str, str, Any]] = set()
         self.counters: dict[str, float] = collections.defaultdict(int)
         # Rebuild the index: newest sequence wins for a key; LRU = sequence order.
         rec = sorted(self._slab.recovered, key=lambda r: r.header.seq)
@@ -326,7 +327,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
     def _tombstone(self, slots: list[int]) -> set[int]:
         """Zero the headers of ``slots``; the set of those that failed."""
         hb = self.header_bytes
-        zero = phx.empty_aligned(hb)
+        zero = phx.empty_aligned(hb)          # not zeroed by the allocator
+        np.frombuffer(zero, dtype=np.uint8)[:] = 0
         bad: set[int] = set()
         byfile: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         for s in slots:
@@ -344,7 +346,11 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
 
     def _fail(self, what: str, path: str, e: BaseException) -> None:
         self.counters[f"{what}_failures"] += 1
-        log.warning("phx L2: %s write failed on %s: %s", what, path, e)
+        kind = (what, path, getattr(e, "errno", None))
+        if kind not in self._logged_fail:
+            self._logged_fail.add(kind)
+            log.warning("phx L2: %s write failed on %s: %s (further failures of this kind "
+                        "are counted in stats(), not logged)", what, path, e)
 
     def _evict_one_locked(self) -> int:
         for ks, e in self._index.items():
