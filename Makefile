@@ -78,6 +78,8 @@ venv-bench: deps-bench $(VPY)
 # the tests when available.
 venv: deps venv-bench
 	$(VPY) -m pip install -q pytest pytest-timeout
+	@# crc32c: the LMCache L2 plugin's checksum (phx[lmcache]; docs/lmcache-l2.md)
+	$(VPY) -m pip install -q "crc32c>=2.3"
 	@# mypy: tests/test_typing.py (mypy --strict, stubtest; skipped without it)
 	$(VPY) -m pip install -q mypy
 	$(VPY) -m pip show torch >/dev/null 2>&1 || $(VPY) -m pip install -q "torch==2.13.0" \

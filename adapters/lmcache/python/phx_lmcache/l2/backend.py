@@ -394,7 +394,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 self._slab.fdatasync()
             # 3. payloads, and their crc32c on another thread meanwhile
             crcs = self._hasher.submit(lambda: [fmt.checksum(p.obj.byte_array) for p in work])
-            futs = []
+            futs: list[Any] = []
             for p in work:
                 f, off = self._slab.locate(p.slot)
                 try:
@@ -595,7 +595,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             assert e is not None
             f, off = self._slab.locate(e.slot)
             plan.append((i, -1, f.f, hmv[j * hb:(j + 1) * hb], off))
-            pay = objs[i].byte_array
+            pay = objs[i].byte_array  # type: ignore[union-attr]  # todo: allocated objects only
             for p0 in range(0, e.length, PIECE):
                 n = min(PIECE, e.length - p0)
                 plan.append((i, n, f.f, pay[p0:p0 + n], off + hb + p0))

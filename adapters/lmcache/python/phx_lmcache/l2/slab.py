@@ -143,7 +143,7 @@ class SlabFile:
                     os.ftruncate(self._lock_fd, self.size)
             except OSError as e:
                 raise OSError(e.errno, f"cannot allocate the slab ({self.size} bytes, "
-                              f"{os.strerror(e.errno)}); lower phx_l2.capacity_gb or free "
+                              f"{os.strerror(e.errno or 0)}); lower phx_l2.capacity_gb or free "
                               "space", self.path) from None
         if sb is None or sb.slot_count != self.slot_count:
             self.f.pwrite(fmt.encode_super(fmt.Super(self.uuid, self.header_bytes,
@@ -168,8 +168,8 @@ class SlabFile:
             m = int(live.sum())     # offsets increase: the live ones are a prefix
             got = self.f.pread_many(buf, offs[:m], hb)
             mask = fmt.magic_mask(arr, m, hb)
-            for i in np.flatnonzero(mask):
-                i = int(i)
+            for ii in np.flatnonzero(mask):
+                i = int(ii)
                 local = start + i
                 h = fmt.decode_slot(arr[i * hb:(i + 1) * hb].data, self.uuid, local) \
                     if got[i] == hb else "short header"
