@@ -558,26 +558,20 @@ static int source_add(const char *kind, const char *const *names, uint32_t n,
 	return 0;
 }
 
-PHX_EXPORT int phx_stats_source_add(const char *kind, const char *const *names, uint32_t n,
-				    const char *label, phx_stats_fill_fn fill, void *arg,
-				    phx_stats_source **out)
+/* A copy of @proto (its fill, or fields and get) published; *@out set on success. */
+static int source_new(const char *kind, const char *const *names, uint32_t n,
+		      const char *label, const struct phx_stats_source *proto,
+		      phx_stats_source **out)
 {
 	struct phx_stats_source *src;
-	int ret;
+	int ret = check_names(kind, names, n);
 
-	if (!out)
-		return phx_err(-EINVAL, "phx_stats_source_add: out is NULL");
-	*out = NULL;
-	ret = check_names(kind, names, n);
 	if (ret)
 		return ret;
-	if (!fill)
-		return phx_err(-EINVAL, "phx_stats_source_add: no fill function");
-	src = calloc(1, sizeof(*src));
+	src = malloc(sizeof(*src));
 	if (!src)
 		return phx_err(-ENOMEM, "out of memory");
-	src->fill = fill;
-	src->arg = arg;
+	*src = *proto;
 	ret = source_add(kind, names, n, label, src);
 	if (ret)
 		free(src);
@@ -586,14 +580,27 @@ PHX_EXPORT int phx_stats_source_add(const char *kind, const char *const *names, 
 	return ret;
 }
 
+PHX_EXPORT int phx_stats_source_add(const char *kind, const char *const *names, uint32_t n,
+				    const char *label, phx_stats_fill_fn fill, void *arg,
+				    phx_stats_source **out)
+{
+	struct phx_stats_source proto = { .fill = fill, .arg = arg };
+
+	if (!out)
+		return phx_err(-EINVAL, "phx_stats_source_add: out is NULL");
+	*out = NULL;
+	if (!fill)
+		return phx_err(-EINVAL, "phx_stats_source_add: no fill function");
+	return source_new(kind, names, n, label, &proto, out);
+}
+
 int stats_add_struct(const char *kind, const char *label, const struct stat_field *fields,
 		     uint32_t n, void (*get)(void *obj, void *st), void *obj,
 		     phx_stats_source **out)
 {
+	struct phx_stats_source proto = { .fields = fields, .get = get, .arg = obj };
 	const char *names[PHX_STATS_MAX_COUNTERS];
-	struct phx_stats_source *src;
 	uint32_t i;
-	int ret;
 
 	*out = NULL;
 	if (n > PHX_STATS_MAX_COUNTERS)
@@ -603,21 +610,7 @@ int stats_add_struct(const char *kind, const char *label, const struct stat_fiel
 			return -EINVAL;
 		names[i] = fields[i].name;
 	}
-	ret = check_names(kind, names, n);
-	if (ret)
-		return ret;
-	src = calloc(1, sizeof(*src));
-	if (!src)
-		return -ENOMEM;
-	src->fields = fields;
-	src->get = get;
-	src->arg = obj;
-	ret = source_add(kind, names, n, label, src);
-	if (ret)
-		free(src);
-	else
-		*out = src;
-	return ret;
+	return source_new(kind, names, n, label, &proto, out);
 }
 
 PHX_EXPORT void phx_stats_source_remove(phx_stats_source *src)

@@ -23,46 +23,28 @@ import time
 from typing import Any, TextIO
 
 from phx import livestats
+from phx.bench._common import plot_path, positive_float, positive_int
 
 __all__ = ["add_stats_arguments", "add_top_arguments", "stats_main", "top_main", "render"]
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be above 0")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
-    return v
-
-
 def add_stats_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pid", type=_positive_int, help="only this process")
+    p.add_argument("--pid", type=positive_int, help="only this process")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--dir", help="where the files are (default $PHX_STATS_DIR or /dev/shm)")
 
 
 def add_top_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pid", type=_positive_int, help="only this process")
-    p.add_argument("--interval", "-d", type=_positive_float, default=1.0,
+    p.add_argument("--pid", type=positive_int, help="only this process")
+    p.add_argument("--interval", "-d", type=positive_float, default=1.0,
                    help="seconds between screens (default 1)")
-    p.add_argument("--iterations", "-n", type=_positive_int,
+    p.add_argument("--iterations", "-n", type=positive_int,
                    help="screens to show, then exit (default: until Ctrl-C)")
     p.add_argument("--batch", "-b", action="store_true",
                    help="print screens one after the other (default when stdout is not a terminal)")
     p.add_argument("--record", metavar="FILE.json", help="write every sample here at the end")
-    p.add_argument("--plot", metavar="FILE.png", help="plot the recorded GB/s per source at the end")
+    p.add_argument("--plot", metavar="FILE.png", type=plot_path,
+                   help="plot the recorded GB/s per source at the end")
     p.add_argument("--dir", help="where the files are (default $PHX_STATS_DIR or /dev/shm)")
 
 
