@@ -674,7 +674,9 @@ def test_bench_worker_catches_misplaced_data(tmp_path, monkeypatch, config, faul
     from phx.bench import _kv_worker
     cls = _kv_worker.MemmapIO if config == "baseline" else _kv_worker.StoreIO
     fault(cls, monkeypatch)
-    res = _kv_worker.run_worker({**TINY, "config": config, "dir": str(tmp_path / config)})
+    # no warm-up: its own store would take the fault that counts writes
+    res = _kv_worker.run_worker({**TINY, "config": config, "dir": str(tmp_path / config),
+                                 "warmup": False})
     assert res["verified"] is False, res["verify"]
     if bad is not None:
         assert res["verify"]["mismatched"] == bad
@@ -700,8 +702,10 @@ def test_bench_kv_cli_in_cgroups(tmp_path, model):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(js.read_text())
-    assert len(doc["rows"]) == 8
-    assert {r["config"] for r in doc["rows"]} == {"baseline", "cachepolicy", "direct", "dual"}
+    assert len(doc["rows"]) == 12
+    assert {r["config"] for r in doc["rows"]} == {"baseline", "stock-mixed", "cachepolicy",
+                                                 "direct", "dual", "dual-mem"}
+    assert doc["digests"]["identical"] and doc["negative_control"]["detected"]
     for pc in doc["per_cap"]:
         assert "ratio_decode_vs_baseline" in pc and "ratio_prefill_vs_baseline" in pc
     assert all(r["runs"] == 1 for r in doc["rows"])

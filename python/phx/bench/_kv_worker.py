@@ -18,7 +18,18 @@ Configurations:
   access of a step) to the tensors Algorithm 1 keeps out of the page-cache budget
   (the budget less one tensor + readahead in transit per copy thread);
 - ``direct``: :class:`phx.kv.KVStore` with everything on the direct (O_DIRECT) path;
-- ``dual``: :class:`phx.kv.KVStore` in dual mode with the adaptive pipeline.
+- ``dual``: :class:`phx.kv.KVStore` in dual mode with the adaptive pipeline;
+- ``dual-mem``: the same with Group 1 in memory that is never written back
+  (``KVStore(group1="memory")``), re-planned after the warm-up and rebalanced
+  between decode steps (issue 26, parts 1 and 2);
+- ``stock-mixed``: FlexLLMGen's own CPU + disk split sized to the budget
+  (``Policy(cache_cpu_percent=...)``, its ``TorchMixedDevice``): the first
+  columns of axis 1 of every tensor (whole heads of whole batch elements, as
+  FlexLLMGen rounds them) in process memory, the rest in the per-tensor memmaps.
+
+Every configuration first warms up (a 2-layer prefill and two decode steps
+through the same code, in the same cgroup, files removed) before anything is
+timed or the budget is measured.
 
 The page-cache hit rate of every read is taken with ``cachestat`` on the range just
 before reading it.  The result is one JSON document on ``--out``.
@@ -46,7 +57,7 @@ from phx import cgroup as _cgroup
 from phx.kv import _sys
 from phx.kv.budget import measure_budget
 from phx.kv.pipeline import AdaptivePipeline, CopyJob
-from phx.kv.planner import PAGECACHE, place_layers
+from phx.kv.planner import cachepolicy_split, readahead_bytes
 from phx.kv.slab import round_up
 
 
@@ -149,15 +160,91 @@ class MemmapIO:
             os.unlink(p)
 
 
+class MixedIO:
+    """FlexLLMGen's ``TorchMixedDevice`` for the KV cache (``cache_cpu_percent`` of
+    axis 1 in memory, the rest on its disk): per tensor a process-memory segment of
+    the first ``ncpu`` columns and a ``.npy`` memmap of the others; a read of rows
+    ``[a:b]`` copies both segments into the relay (FlexLLMGen copies each segment
+    to its own slice of the GPU buffer)."""
+
+    def __init__(self, shape: Shape, d: str, cpu_percent: float):
+        self.s = shape
+        cols = shape.tshape[1]
+        step = shape.kv_heads              # FlexLLMGen: // num_head * num_head
+        self.ncpu = min(cols, int(cols * cpu_percent / 100) // step * step)
+        self.cpu_percent = cpu_percent
+        self.cpu = [np.zeros((shape.rows, self.ncpu, shape.head_dim), shape.dtype)
+                    for _ in range(shape.ntensors)] if self.ncpu else []
+        dshape = (shape.rows, cols - self.ncpu, shape.head_dim)
+        self.disk = None
+        if self.ncpu < cols:
+            self.disk = MemmapIO.__new__(MemmapIO)
+            sub = Shape.__new__(Shape)
+            sub.__dict__.update(shape.__dict__)
+            sub.tshape = dshape
+            sub.row_bytes = (cols - self.ncpu) * shape.head_dim * shape.dtype.itemsize
+            MemmapIO.__init__(self.disk, sub, d)
+
+    def _rows(self, src: np.ndarray, n: int) -> np.ndarray:
+        return src.view(self.s.dtype).reshape((n,) + self.s.tshape[1:])
+
+    def write(self, tid: int, start: int, src: np.ndarray) -> None:
+        n = src.nbytes // self.s.row_bytes
+        a = self._rows(src, n)
+        if self.ncpu:
+            self.cpu[tid][start:start + n] = a[:, :self.ncpu]
+        if self.disk is not None:
+            mm = np.lib.format.open_memmap(self.disk.paths[tid])
+            mm[start:start + n] = a[:, self.ncpu:]
+            del mm
+
+    def write_row(self, tid: int, row: int, src: np.ndarray) -> None:
+        self.write(tid, row, src)
+
+    def read(self, tid: int, start: int, stop: int, relay: np.ndarray) -> int:
+        n = stop - start
+        nb = n * self.s.row_bytes
+        dst = self._rows(relay[:nb], n)
+        if self.ncpu:
+            np.copyto(dst[:, :self.ncpu], self.cpu[tid][start:stop])
+        if self.disk is not None:
+            mm = np.lib.format.open_memmap(self.disk.paths[tid])
+            np.copyto(dst[:, self.ncpu:], mm[start:stop])
+            del mm
+        return nb
+
+    def cached(self, tid: int, start: int, stop: int) -> tuple[int, int]:
+        # memory columns count as hits, the memmap's as cachestat says
+        n = stop - start
+        mem_pages = (n * self.ncpu * self.s.head_dim * self.s.dtype.itemsize + 4095) // 4096
+        if self.disk is None:
+            return mem_pages, mem_pages
+        h, t = self.disk.cached(tid, start, stop)
+        return h + mem_pages, t + mem_pages
+
+    def sync(self) -> None:
+        pass
+
+    def plan(self) -> dict:
+        return {"cache_cpu_percent": self.cpu_percent, "cpu_columns": self.ncpu,
+                "columns": self.s.tshape[1],
+                "cpu_bytes": sum(a.nbytes for a in self.cpu)}
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        self.cpu = []
+
+
 class StoreIO:
     """phx.kv's store (direct-only or dual-path)."""
 
     def __init__(self, shape: Shape, d: str, mode: str, pinned: int, reserve: int | None,
-                 write_behind: bool | None = None):
+                 write_behind: bool | None = None, group1: str = "pagecache"):
         from phx.kv.store import KVStore
         self.s = shape
         self.store = KVStore(d, mode=mode, pinned_bytes=pinned, reserve=reserve,
-                             write_behind=write_behind)
+                             write_behind=write_behind, group1=group1)
         self.t = []
         for L in range(shape.layers):
             self.t.extend(self.store.allocate(L, shape.tshape, shape.dtype))
@@ -186,7 +273,13 @@ class StoreIO:
         return self.store.cached_pages(self.t[tid], start, stop)
 
     def plan(self) -> dict:
-        return self._plan.as_dict()
+        p = self.store.last_plan or self._plan
+        d = p.as_dict()
+        d["moves"] = [list(m) for m in self.store.moves]
+        return d
+
+    def rebalance(self) -> dict:
+        return self.store.rebalance()
 
     def close(self) -> None:
         self.store.destroy()
@@ -226,6 +319,12 @@ def run_worker(c: dict) -> dict:
         for x in dev:
             x[:] = 1
         import phx  # noqa: F401  (the engine's bounce buffers)
+        # what a configuration's warm-up leaves behind (the engine, threads): the
+        # same warm-up as the measured workers, through the direct path
+        run_worker({**c, "config": "direct", "layers": min(2, s.layers), "gen": 3,
+                    "warmup": False, "hitrate": False, "dir": os.path.join(d, "warm")})
+        import shutil
+        shutil.rmtree(os.path.join(d, "warm"), ignore_errors=True)
         lv = own_cgroup()
         return {"config": "probe", "usage": lv.usage if lv else None,
                 "base_usage_before_buffers": base_usage}
@@ -233,23 +332,38 @@ def run_worker(c: dict) -> dict:
     if cfg == "calibrate":
         return calibrate(s, d, srcs[0], threads)
 
+    if c.get("warmup", True):
+        # every configuration warms up the same way before it is measured: a
+        # small prefill and two decode steps through its own code (imports,
+        # threads, the engine, numpy's first copies), in this cgroup
+        warm = {**c, "layers": min(2, s.layers), "gen": 3, "warmup": False,
+                "hitrate": False, "corrupt_read": None,
+                "dir": os.path.join(d, "warm")}
+        run_worker(warm)
+        import shutil
+        shutil.rmtree(warm["dir"], ignore_errors=True)
     budget = measure_budget(pinned, c.get("reserve"))
     if cfg == "baseline":
         io = MemmapIO(s, d)
     elif cfg == "cachepolicy":
-        # the evicted tensors still pass through the page cache on their way: leave room
-        # for one tensor (+ readahead) per copy thread, or they push the kept ones out
-        pb = round_up(s.tensor_bytes, 4096) * 2
-        transit = threads * (round_up(s.tensor_bytes, 4096) + _readahead_bytes(d))
-        n1 = place_layers([pb] * s.layers, budget.bytes - transit).n1
+        n1 = cachepolicy_split([round_up(s.tensor_bytes, 4096) * 2] * s.layers, budget.bytes,
+                               s.tensor_bytes, threads, readahead_bytes(d))
         io = MemmapIO(s, d, evict_from_layer=n1)
+    elif cfg == "stock-mixed":
+        # FlexLLMGen's percent of the cache on the CPU, sized to the budget
+        pct = max(0.0, min(100.0, 100.0 * budget.bytes / s.working_set))
+        io = MixedIO(s, d, pct)
     elif cfg == "direct":
         io = StoreIO(s, d, "direct", pinned, c.get("reserve"))
     elif cfg in ("dual", "dual-nowb"):
         io = StoreIO(s, d, "dual", pinned, c.get("reserve"),
                      write_behind=False if cfg == "dual-nowb" else None)
+    elif cfg == "dual-mem":
+        io = StoreIO(s, d, "dual", pinned, c.get("reserve"), group1="memory")
     else:
         raise ValueError(f"unknown configuration {cfg}")
+    if c.get("corrupt_read") is not None:
+        io = _CorruptOneRead(io, int(c["corrupt_read"]), s)
 
     strategy = c.get("strategy")                 # dual: None = adaptive
     if cfg.startswith("dual"):
@@ -258,6 +372,10 @@ def run_worker(c: dict) -> dict:
                                 relays=io.store.relays())
         relays = pipe.relays
         pool = None
+        if cfg == "dual-mem":
+            # the relays exist now (touched, charged): later budgets see them in the
+            # cgroup's usage, so they are no longer "still to pin"
+            io.store.pinned_bytes = 0
     else:
         pipe = None
         relays = [_sys.aligned_empty(s.tensor_bytes) for _ in range(threads)]
@@ -310,6 +428,14 @@ def run_worker(c: dict) -> dict:
         t_prefill += layer_s[-1]
     io1 = _sys.proc_io()
     blk1 = _block_read_bytes()
+    # dual-mem: re-plan with the footprint measured now (after the warm-up and the
+    # prefill) and between steps: Group 1 grows into the room the cap has
+    rebalances = []
+    can_rebalance = hasattr(io, "rebalance") and cfg == "dual-mem"
+    if can_rebalance:
+        t0 = time.perf_counter()
+        rebalances.append({**io.rebalance(), "seconds": time.perf_counter() - t0,
+                           "after": "prefill"})
     # decode
     steps = []
     strategies = []
@@ -336,6 +462,11 @@ def run_worker(c: dict) -> dict:
         io.sync()
         if pipe is not None:
             pipe.end_step()
+        if can_rebalance:
+            # inside the step's time: a move costs the decode it delays
+            rb = io.rebalance()
+            if rb["promoted"] or rb["demoted"]:
+                rebalances.append({**rb, "after": f"step {i}"})
         steps.append(time.perf_counter() - ts)
     t_decode = sum(steps)
     io2 = _sys.proc_io()
@@ -360,16 +491,28 @@ def run_worker(c: dict) -> dict:
         "plan": io.plan(),
         "pipeline": pipe.report() if pipe else None,
         "strategies": strategies,
+        "rebalances": rebalances,
+        "decode_step_median_s": float(np.median(steps)) if steps else None,
+        "decode_step_max_s": max(steps) if steps else None,
+        # a stall: a step over twice the run's median step (reported, and left in
+        # decode_s for every configuration alike)
+        "stall_steps": [i for i, x in enumerate(steps) if steps and x > 2 * float(np.median(steps))],
         "cgroup_limit": limit,
         "usage_at_start": base_usage,
         "peak_usage": (own_cgroup() or _cgroup.CgroupLevel("", 0, 0)).peak,
     }
     # after every figure is taken: read each tensor back whole and compare hashes
-    mismatched = verify(io, s, relays[0], [d.digest() for d in digests])
+    mismatched, kv_digest, prefill_digest = verify(io, s, relays[0],
+                                                   [d.digest() for d in digests])
     res["verify"] = {"tensors": s.ntensors, "mismatched": mismatched,
                      "how": "SHA-256 of every tensor read back whole through the "
                             "configuration's read path, against the bytes written"}
     res["verified"] = not mismatched
+    # the same data in every configuration of a repeat (one seed): these must be
+    # equal across configurations (the bench compares them)
+    res["kv_digest"] = kv_digest
+    res["prefill_digest"] = prefill_digest
+    res["corrupt_read"] = c.get("corrupt_read")
     if pipe is not None:
         pipe.close()
     if pool is not None:
@@ -383,15 +526,39 @@ def _fill(rng: np.random.Generator, a: np.ndarray) -> None:
     a[:] = np.frombuffer(rng.bytes(a.nbytes), dtype=np.uint8)
 
 
-def verify(io, s: Shape, relay: np.ndarray, expected: list[bytes]) -> list[int]:
-    """Ids of the tensors whose bytes, read back whole, do not hash to ``expected``."""
+def verify(io, s: Shape, relay: np.ndarray,
+           expected: list[bytes]) -> tuple[list[int], str, str]:
+    """Ids of the tensors whose bytes, read back whole, do not hash to ``expected``;
+    the SHA-256 of every tensor as read back (in order), and of their prefill rows
+    ``[0:prompt]``."""
     bad = []
+    whole, pre = hashlib.sha256(), hashlib.sha256()
     for tid in range(s.ntensors):
         relay[:s.tensor_bytes] = 0
         nb = io.read(tid, 0, s.rows, relay)
+        whole.update(relay[:nb])
+        pre.update(relay[:s.prompt * s.row_bytes])
         if nb != s.tensor_bytes or hashlib.sha256(relay[:nb]).digest() != expected[tid]:
             bad.append(tid)
-    return bad
+    return bad, whole.hexdigest(), pre.hexdigest()
+
+
+class _CorruptOneRead:
+    """The negative control: every read of tensor ``tid`` comes back with its
+    first prefill byte flipped (the stored bytes are untouched).  The bench runs
+    it once and requires the digests to change."""
+
+    def __init__(self, io, tid: int, s: Shape):
+        self._io, self._tid = io, tid
+
+    def read(self, tid: int, start: int, stop: int, relay: np.ndarray) -> int:
+        nb = self._io.read(tid, start, stop, relay)
+        if tid == self._tid and start == 0 and nb:
+            relay[0] ^= 0xFF
+        return nb
+
+    def __getattr__(self, name: str):
+        return getattr(self._io, name)
 
 
 def calibrate(s: Shape, d: str, src: np.ndarray, threads: int) -> dict:
@@ -432,20 +599,6 @@ def _plain_one(job: CopyJob, relay: np.ndarray) -> int:
     nb = job.read(relay)
     job.dma(relay, nb)
     return nb
-
-
-def _readahead_bytes(path: str) -> int:
-    """The readahead window of the disk holding ``path`` (128 KiB if unknown)."""
-    try:
-        dev = os.stat(path).st_dev
-        p = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
-        for cand in (p + "/queue/read_ahead_kb", p + "/../queue/read_ahead_kb"):
-            if os.path.exists(cand):
-                with open(cand) as f:
-                    return int(f.read()) * 1024
-    except (OSError, ValueError):
-        pass
-    return 128 * 1024
 
 
 def _block_read_bytes() -> int | None:

@@ -7,6 +7,16 @@ memory) and every configuration -- ``baseline`` (FlexLLMGen's per-tensor memmaps
 pipeline) -- the page cache is dropped, a memory cgroup with that cap is created and
 a worker process replays prefill + decode inside it (``phx.bench._kv_worker``).
 
+Since issue 26: ``stock-mixed`` (FlexLLMGen's own CPU + disk split sized to the
+budget) and ``dual-mem`` (Group 1 in memory, never written back, rebalanced between
+steps) beside them; every worker warms up before it is measured; caps and
+configurations rotate per repeat (5 by default); the ideal's device bandwidth is
+fio's, measured once for all; stalls (steps over twice the run's median) are
+counted and left in every configuration's decode time; the digests of every KV
+tensor after prefill and at the end must match across configurations, and one
+run with a deliberately corrupted KV read must change them (the negative
+control); an OOM kill in a worker's cgroup fails its row.
+
 Reported per row: prefill and decode time, per-step decode time, the page-cache hit
 rate of the decode reads (``cachestat`` on each range just before reading it), and
 the bytes the worker read from the device (``/proc/self/io``).  Per cap: the ratios
@@ -29,12 +39,15 @@ from phx.bench._common import (BenchError, Parser, add_common_arguments, csv,
                                deprecated_alias, nonneg_int, positive_float, positive_int)
 
 MiB = 1 << 20
-CONFIGS = ("baseline", "cachepolicy", "direct", "dual")
+CONFIGS = ("baseline", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem")
 # beside dual on request (--configs ...,dual-nowb): dual without its write-behind
 EXTRA_CONFIGS = ("dual-nowb",)
-LABELS = {"baseline": "Baseline (FlexLLMGen memmap)", "cachepolicy": "CachePolicy-only",
+LABELS = {"baseline": "Baseline (FlexLLMGen memmap)",
+          "stock-mixed": "FlexLLMGen CPU+disk split at the cap",
+          "cachepolicy": "CachePolicy-only",
           "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P",
-          "dual-nowb": "dual-path, no write-behind"}
+          "dual-nowb": "dual-path, no write-behind",
+          "dual-mem": "dual-path, Group 1 in memory (v2)"}
 
 
 #: KV shapes of the models the bench knows (``--model``); single flags override them
@@ -77,11 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-dma", action="store_true",
                    help="skip the relay -> destination copy that stands in for H2D")
     p.add_argument("--timeout", type=positive_float, default=600, help="seconds per worker")
+    p.add_argument("--no-fio", action="store_true",
+                   help="take the ideal's device bandwidth from phx's calibration, not fio")
+    p.add_argument("--no-negative-control", action="store_true",
+                   help="skip the run with one deliberately corrupted KV read")
     add_common_arguments(
         p, dir_help="where the KV files go, made if missing (default $PHX_BENCH_DIR or "
                     "results/kv-data); each run's files are removed after it, and a "
                     "directory made for them at the end, unless --keep",
-        repeat=3, repeat_help="runs per cap x configuration",
+        repeat=5, repeat_help="runs per cap x configuration (caps and configurations "
+                              "in a rotated order each repeat)",
         keep_help="keep each run's KV files (the last cap's of each configuration and "
                   "repeat) and the directory")
     deprecated_alias(p, "--configs", "--methods", "configs",
@@ -224,6 +242,20 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
         return 1
     print(f"device read {cal['dev_read_gbps']:.2f} GB/s (phx O_DIRECT, cold), page-cache "
           f"copy {cal['pagecache_read_gbps']:.2f} GB/s (warm preadv)")
+    # the ideal's device bandwidth: fio, once, for every configuration (phx's own
+    # calibration would grade phx against itself)
+    cal["ideal_dev_source"] = "phx calibration"
+    cal["ideal_dev_read_gbps"] = cal["dev_read_gbps"]
+    if not getattr(args, "no_fio", False):
+        try:
+            cal["fio"] = fio_read_gbps(root)
+            cal["ideal_dev_read_gbps"] = cal["fio"]["gbps"]
+            cal["ideal_dev_source"] = "fio"
+            print(f"device read {cal['fio']['gbps']:.2f} GB/s (fio, sequential 1 MiB, "
+                  f"QD {cal['fio']['qd']}): the ideal's device bandwidth")
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            cal["fio_error"] = str(e)
+            print(f"fio not usable ({e}); the ideal uses phx's calibration", file=sys.stderr)
 
     caps = [(f, fixed + int(f * ws)) for f in fracs]
     total = len(caps) * len(configs) * args.repeat
@@ -231,7 +263,8 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
     raw: list[dict] = []
     for rep in range(args.repeat):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-        for f, cap in caps:
+        cap_order = caps[rep % len(caps):] + caps[:rep % len(caps)]
+        for f, cap in cap_order:
             for cfg in order:
                 _common.drop_caches()
                 conf = {**base_conf, "config": cfg, "seed": rep + 1,
@@ -242,10 +275,30 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
                 bar.update(1)
                 bar.write(_row_line(res))
     bar.close()
+    digests = check_digests(raw)
+    control = None
+    if not getattr(args, "no_negative_control", False) and raw:
+        # the negative control: one run whose reads of tensor 1 come back with a
+        # byte flipped must change the digests (and fail its verification)
+        f, cap = caps[0]
+        cfg = "dual-mem" if "dual-mem" in configs else configs[-1]
+        _common.drop_caches()
+        res = _run_in_cgroup({**base_conf, "config": cfg, "seed": 1, "corrupt_read": 1,
+                              "dir": os.path.join(root, "control")}, cap, args.timeout)
+        ref = next((x for x in raw if x.get("repeat") == 0 and x.get("kv_digest")), None)
+        control = {"config": cfg, "cap_bytes": cap,
+                   "kv_digest": res.get("kv_digest"), "verified": res.get("verified"),
+                   "detected": bool(ref and res.get("kv_digest")
+                                    and res["kv_digest"] != ref["kv_digest"]
+                                    and res.get("prefill_digest") != ref["prefill_digest"]
+                                    and res.get("verified") is False),
+                   "error": res.get("error")}
+        print(f"negative control ({cfg}, one corrupted KV read): "
+              f"{'detected' if control['detected'] else 'NOT DETECTED'}")
 
     rows, per_cap = _aggregate(raw, caps, configs, shape, cal, fixed, ws)
     headers = ["cap MiB", "cap/WS", "config", "prefill s", "decode s", "step ms",
-               "hit %", "dev read GB", "ideal s", "dec/base", "pre/base", "spread"]
+               "hit %", "dev read GB", "ideal s", "dec/base", "pre/base", "spread", "stalls"]
     table = []
     for r in rows:
         table.append([f"{r['cap_bytes'] / MiB:.0f}", f"{r['cap_fraction']:.2f}", r["config"],
@@ -257,7 +310,7 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
                       _f(r["ideal_decode_s"]), _f(r.get("ratio_decode_vs_baseline")),
                       _f(r.get("ratio_prefill_vs_baseline")),
                       f"{r['decode_s_spread'] * 100:.0f}%" if r["decode_s_spread"] is not None
-                      else "-"])
+                      else "-", r.get("stall_steps", 0)])
     print(_common.fmt_table(headers, table))
     choices = [x["pipeline"]["choice"] for x in raw if x.get("pipeline")]
     if choices:
@@ -266,6 +319,9 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
     bad = [x for x in raw if _failure(x)]
     for x in bad:
         print(f"row failed: cap {x['cap_bytes'] / MiB:.0f} MiB {x['config']}: {_failure(x)}")
+    print(f"KV digests after prefill and at the end: "
+          f"{'identical in every configuration' if digests['identical'] else 'DIFFER'} "
+          f"({digests['runs']} runs, {digests['repeats']} seeds)")
     _common.write_json(args.json, {
         "benchmark": "kv",
         "workload": {**base_conf, "tensor_shape": shape.tshape, "working_set_bytes": ws,
@@ -274,17 +330,65 @@ def _run(args, base_conf, shape, ws, fracs, configs, root) -> int:
         "calibration": cal,
         "rows": rows,
         "per_cap": per_cap,
+        "digests": digests,
+        "negative_control": control,
         "raw": raw,
     })
     if args.plot:
         plot(rows, per_cap, args.plot, shape, ws)
-    return 1 if bad else 0
+    failed = bad or not digests["identical"] or (control is not None and not control["detected"])
+    return 1 if failed else 0
+
+
+def check_digests(raw: list[dict]) -> dict:
+    """Every run of one seed (repeat) must read back the same KV: the digest of
+    every tensor after prefill and at the end, whatever the configuration and cap."""
+    by_rep: dict[int, set] = {}
+    for x in raw:
+        if x.get("kv_digest"):
+            by_rep.setdefault(x.get("repeat", 0), set()).add(
+                (x["prefill_digest"], x["kv_digest"]))
+    odd = {rep: len(v) for rep, v in by_rep.items() if len(v) != 1}
+    return {"identical": not odd, "repeats": len(by_rep),
+            "runs": sum(1 for x in raw if x.get("kv_digest")),
+            "seeds_with_several_digests": odd}
+
+
+def fio_read_gbps(root: str, size: int = 256 << 20, qd: int = 8,
+                  runtime_s: float = 3.0) -> dict:
+    """Sequential 1 MiB O_DIRECT reads of a 256 MiB file next to the KV files,
+    measured by fio (io_uring) after the file is written and the cache dropped."""
+    from phx.bench import _fio
+    fio = _fio.fio_path()
+    if fio is None:
+        raise RuntimeError("fio is not installed")
+    path = os.path.join(root, "fio-read.bin")
+    os.makedirs(root, exist_ok=True)
+    try:
+        with open(path, "wb") as f:
+            chunk = os.urandom(1 << 20)
+            for _ in range(size >> 20):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        _common.drop_caches()
+        cmd = _fio.fio_command(fio, path, size, "read", 1 << 20, qd, runtime_s, 0)
+        r = _fio.run_fio(cmd, "read", runtime_s + 60)
+        return {"gbps": r.nbytes / r.seconds / 1e9, "qd": qd, "bs": 1 << 20,
+                "bytes": r.nbytes, "seconds": r.seconds, "version": _fio.fio_version(fio)}
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _failure(res: dict) -> str | None:
     """Why a worker's run is not a result (an error, or data that did not verify)."""
     if res.get("error"):
         return res["error"]
+    if res.get("oom_kills"):
+        return f"{res['oom_kills']} OOM kill(s) in the worker's cgroup"
     if res.get("verified") is not True:
         bad = (res.get("verify") or {}).get("mismatched")
         return ("data did not verify" +
@@ -310,6 +414,11 @@ def _row_line(r: dict) -> str:
     s = (f"{head} prefill {r['prefill_s']:6.3f} s  decode {r['decode_s']:6.3f} s  "
          f"hit {hr * 100 if hr is not None else float('nan'):5.1f}%  "
          f"dev read {r['decode_device_read_bytes'] / 1e9:5.2f} GB")
+    if r.get("stall_steps"):
+        s += f"  stalls {len(r['stall_steps'])} (max step {r['decode_step_max_s']:.2f} s)"
+    if r.get("rebalances"):
+        moved = sum(len(b["promoted"]) + len(b["demoted"]) for b in r["rebalances"])
+        s += f"  moved {moved} layers"
     if r.get("pipeline"):
         s += f"  P·P {r['pipeline']['choice']}"
     if r.get("plan") and r["plan"].get("layers_pagecache") is not None:
@@ -323,8 +432,10 @@ def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
     rows = []
     per_cap = []
     for f, cap in caps:
+        # the cap's KV share cached, the rest at fio's device bandwidth: the same
+        # line for every configuration
         ideal = ideal_decode_s(shape, max(0.0, f * ws), cal["pagecache_read_gbps"] * 1e9,
-                               cal["dev_read_gbps"] * 1e9)
+                               cal.get("ideal_dev_read_gbps", cal["dev_read_gbps"]) * 1e9)
         cap_rows = {}
         for cfg in configs:
             # a run whose data did not verify is not a result: left out of the figures
@@ -347,10 +458,18 @@ def _aggregate(raw, caps, configs, shape, cal, fixed, ws):
                     r[key + "_spread"] = None
             steps = [s for x in runs for s in x["decode_step_s"][1:]]
             r["decode_step_s"] = _common.median_spread(steps)[0] if steps else None
+            # stalls are reported, never discounted (decode_s keeps them)
+            r["stall_steps"] = sum(len(x.get("stall_steps") or []) for x in runs)
+            mx = [x["decode_step_max_s"] for x in runs if x.get("decode_step_max_s")]
+            r["decode_step_max_s"] = _common.median_spread(mx)[0] if mx else None
+            if r.get("decode_s") and ideal:
+                r["decode_vs_ideal"] = r["decode_s"] / ideal
             if cfg.startswith("dual"):
                 r["pipeline_choices"] = [x["pipeline"]["choice"] for x in runs
                                          if x.get("pipeline")]
                 r["n1_layers"] = [len(x["plan"]["layers_pagecache"]) for x in runs]
+                r["peak_usage_vs_cap"] = [x["peak_usage"] / x["cap_bytes"] for x in runs
+                                          if x.get("peak_usage")]
             cap_rows[cfg] = r
             rows.append(r)
         base = cap_rows.get("baseline")
@@ -380,7 +499,8 @@ def plot(rows, per_cap, path, shape, ws) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     styles = {"baseline": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
               "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
-              "dual-nowb": ("tab:olive", "v")}
+              "dual-nowb": ("tab:olive", "v"), "stock-mixed": ("tab:purple", "x"),
+              "dual-mem": ("tab:cyan", "P")}
     for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s")]
         if not rs:

@@ -36,3 +36,32 @@ def place_layers(pair_bytes: Sequence[int], knob: int) -> Placement:
         n1 += 1
     groups = tuple(PAGECACHE if i < n1 else DIRECT for i in range(len(pair_bytes)))
     return Placement(groups, n1, knob, used, sum(pair_bytes) - used)
+
+
+def cachepolicy_split(pair_bytes: Sequence[int], budget: int, tensor_bytes: int,
+                      copy_threads: int, readahead: int) -> int:
+    """CachePolicy-only's one definition (``phx bench kv`` and the FlexLLMGen
+    runner both use it): how many leading layers keep their pages; every later
+    layer's tensors are evicted (``POSIX_FADV_DONTNEED``) after each write to them.
+
+    Every tensor still passes through the page cache on its way, so the budget
+    leaves room for one tensor (page-rounded) plus the disk's readahead window in
+    transit per copy thread; Algorithm 1 places the rest.
+    """
+    transit = copy_threads * ((tensor_bytes + 4095) // 4096 * 4096 + readahead)
+    return place_layers(pair_bytes, budget - transit).n1
+
+
+def readahead_bytes(path: str) -> int:
+    """The readahead window of the disk holding ``path`` (128 KiB if unknown)."""
+    import os
+    try:
+        dev = os.stat(path).st_dev
+        p = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for cand in (p + "/queue/read_ahead_kb", p + "/../queue/read_ahead_kb"):
+            if os.path.exists(cand):
+                with open(cand) as f:
+                    return int(f.read()) * 1024
+    except (OSError, ValueError):
+        pass
+    return 128 * 1024
