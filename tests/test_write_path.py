@@ -189,14 +189,16 @@ inflight = collections.deque()
 with phx.open(path, "r+") as f:
     for k in range(100000):
         # batch k goes out while batch k - 1 is still being written
-        print("start", k, flush=True)
+        # one write(2) per line: with PYTHONUNBUFFERED (set here) print() writes
+        # each piece on its own and the SIGKILL could leave "start" alone
+        sys.stdout.write(f"start {k}\n"); sys.stdout.flush()
         futs = [f.pwrite_async(rng.bytes(L), size0 + (k * B + i) * (L + G)) for i in range(B)]
         inflight.append((k, futs))
         if len(inflight) > 1:
             j, old = inflight.popleft()
             for x in old:
                 assert x.result() == L
-            print("done", j, flush=True)
+            sys.stdout.write(f"done {j}\n"); sys.stdout.flush()
 """
 
 
