@@ -47,8 +47,10 @@ METHODS = ("phx", "cufile", "host-buffered", "host-odirect")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # checked here, kept as text: the run parses them
-    p.add_argument("--mode", type=checked(csv(str, allowed=("chunks", "replay"))),
-                   default="chunks,replay", help="chunks, replay or both (default)")
+    p.add_argument("--mode", type=checked(csv(str, allowed=("chunks", "replay", "l2"))),
+                   default="chunks,replay",
+                   help="chunks, replay (default: both), l2 (the persistent disk tier: "
+                        "phx's storage plugin vs LocalDiskBackend vs rust_raw_block, CPU only)")
     p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also run on a zram ext4 of SIZE (root)")
     p.add_argument("--no-disk", action="store_true", help="zram rows only")
@@ -64,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(
         p, dir_help="directory on the disk (default $PHX_BENCH_DIR or /var/tmp/phxbench)",
         repeat=3, quiet_help="no per-row lines on stderr")
-    from phx.bench import _lmcache_replay
+    from phx.bench import _lmcache_l2, _lmcache_replay
     _lmcache_replay.add_arguments(p)
+    _lmcache_l2.add_arguments(p)
 
 
 def _why_not() -> str | None:
@@ -261,11 +264,21 @@ def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _why_not_l2() -> str | None:
+    try:
+        import lmcache.v1.storage_backend.storage_manager  # noqa: F401
+        import phx_lmcache.l2.backend  # noqa: F401
+    except Exception as e:
+        return (f"lmcache 0.5.6 or phx_lmcache.l2 cannot be imported ({type(e).__name__}: "
+                f"{e}); put lmcache on PYTHONPATH (adapters/lmcache/tools/lmcache-deps.sh)")
+    return None
+
+
 def run(args) -> int:
-    why = _why_not()
+    modes = set(args.mode.split(","))
+    why = _why_not_l2() if modes == {"l2"} else _why_not()
     if why:
         raise BenchError(f"not run: {why}; nothing measured")
-    modes = set(args.mode.split(","))
     directory = bench_dir(args.dir, "/var/tmp/phxbench")
     results: list[dict] = []
     notes: dict[str, str] = {}
@@ -285,12 +298,16 @@ def run(args) -> int:
         else:
             zram_cm = _zram.zram_ext4(size)
             places.append(("zram", zram_cm.__enter__().mountpoint))
+    l2: dict[str, Any] = {}
     try:
         for device, d in places:
             if "chunks" in modes:
                 chunk_rows(args, device, d, results, notes)
             if "replay" in modes:
                 replay[device] = _lmcache_replay.run_replay(args, device, d, notes)
+        if "l2" in modes:
+            from phx.bench import _lmcache_l2
+            l2 = _lmcache_l2.run_l2(args, places, notes)
     finally:
         if zram_cm is not None:
             zram_cm.__exit__(None, None, None)
@@ -299,19 +316,24 @@ def run(args) -> int:
         _print(summary)
     for device, rep in replay.items():
         _lmcache_replay.print_summary(device, rep)
+    if l2:
+        from phx.bench import _lmcache_l2
+        _lmcache_l2.print_summary(l2)
     import phx_lmcache
     payload = {"benchmark": "lmcache",
                "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                "notes": notes, "rows": results, "summary": summary, "replay": replay,
-               "libphxfile": phx_lmcache.stats()}
+               "l2": l2,
+               "libphxfile": phx_lmcache.stats() if modes != {"l2"} else None}
     write_json(args.json, payload)
     if args.plot and (summary or replay):
         _plot(summary, next(iter(replay.values()), None), args.plot)
-    bad = [s for s in summary if not s["byte_exact"]]
+    bad = [s for s in summary + (l2.get("summary") or []) if not s["byte_exact"]]
     for s in bad:
         print(f"phx bench lmcache: {s['device']} {s['method']}: loaded bytes differ!",
               file=sys.stderr)
-    if not summary and not any(r.get("methods") for r in replay.values()):
+    if not summary and not any(r.get("methods") for r in replay.values()) and \
+            not (l2.get("summary")):
         print("phx bench lmcache: nothing was measured", file=sys.stderr)
         return 1
     return 1 if bad else 0

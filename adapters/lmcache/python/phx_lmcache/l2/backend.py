@@ -135,15 +135,22 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._logged_fail: set[tuple[str, str, Any]] = set()
         self.counters: dict[str, float] = collections.defaultdict(int)
         # Rebuild the index: newest sequence wins for a key; LRU = sequence order.
-        rec = sorted(self._slab.recovered, key=lambda r: r.header.seq)
-        for r in rec:
-            h = r.header
-            old = self._index.pop(h.key, None)
+        sl = self._slab
+        order = np.argsort(sl.seqs, kind="stable")
+        keys, metas = sl.keys, sl.metas
+        slots, plens, pcrcs, seqs = (a[order].tolist() for a in (sl.slots, sl.plens,
+                                                                sl.pcrcs, sl.seqs))
+        index = self._index
+        for j, i in enumerate(order.tolist()):
+            k = keys[i]
+            old = index.pop(k, None)
             if old is not None:
                 self._state[old.slot] = _DIRTY
-            self._index[h.key] = _Entry(r.slot, h.payload_len, h.payload_crc, h.seq, h.meta)
-            self._state[r.slot] = _LIVE
-            self._seq = max(self._seq, h.seq)
+            index[k] = _Entry(slots[j], plens[j], pcrcs[j], seqs[j], metas[i])
+        live = np.asarray([e.slot for e in index.values()], dtype=np.int64)
+        self._state[live] = _LIVE
+        self._seq = int(sl.seqs.max()) if len(sl.seqs) else 0
+        sl.keys, sl.metas = [], []
         self._free: collections.deque[int] = collections.deque(
             int(i) for i in np.flatnonzero(self._state != _LIVE))
         self.counters["recovered"] = len(self._index)

@@ -94,6 +94,19 @@ class SlotHeader:
     meta: bytes   # JSON, decoded lazily (recovery reads 100k of these)
 
 
+#: the fixed part of a slot header as a numpy record (recovery parses all at once)
+SLOT_DTYPE = np.dtype([("magic", "S8"), ("version", "<u4"), ("crc", "<u4"), ("used", "<u4"),
+                       ("uuid", "V16"), ("slot", "<u4"), ("seq", "<u8"), ("plen", "<u8"),
+                       ("pcrc", "<u4"), ("klen", "<u2"), ("mlen", "<u2")])
+assert SLOT_DTYPE.itemsize == _SLOT.size
+SLOT_CRC_FROM = 16    # a slot header's crc covers bytes 16..used (magic and version
+                      # before the crc are compared as they are)
+
+
+def slot_crc(b: bytes | bytearray | memoryview, used: int) -> int:
+    return int(_crc32c(memoryview(b)[SLOT_CRC_FROM:used]))
+
+
 def encode_slot(uuid: bytes, h: SlotHeader, header_bytes: int) -> bytes:
     """One slot header, padded to ``header_bytes``; ValueError if it does not fit."""
     kb = h.key.encode()
@@ -105,7 +118,7 @@ def encode_slot(uuid: bytes, h: SlotHeader, header_bytes: int) -> bytes:
                     h.payload_crc, len(kb), len(h.meta))
     b[SLOT_FIXED:SLOT_FIXED + len(kb)] = kb
     b[SLOT_FIXED + len(kb):used] = h.meta
-    struct.pack_into("<I", b, _CRC_OFF, _crc_with_zeroed_field(b, used))
+    struct.pack_into("<I", b, _CRC_OFF, slot_crc(b, used))
     return bytes(b)
 
 
@@ -119,7 +132,7 @@ def decode_slot(b: bytes | memoryview, uuid: bytes, slot: int) -> SlotHeader | N
         return None if magic == b"\0" * 8 else "bad magic"
     if ver != VERSION or used != SLOT_FIXED + klen + mlen or used > len(b):
         return "bad header geometry"
-    if crc != _crc_with_zeroed_field(b, used):
+    if crc != slot_crc(b, used):
         return "header checksum mismatch"
     if uid != uuid:
         return None          # from an earlier format of this file: not a slot of ours
@@ -127,13 +140,6 @@ def decode_slot(b: bytes | memoryview, uuid: bytes, slot: int) -> SlotHeader | N
         return f"header names slot {s}"
     key = bytes(b[SLOT_FIXED:SLOT_FIXED + klen]).decode(errors="replace")
     return SlotHeader(s, seq, plen, pcrc, key, bytes(b[SLOT_FIXED + klen:used]))
-
-
-def magic_mask(buf: np.ndarray, count: int, header_bytes: int) -> np.ndarray:
-    """Which of ``count`` headers packed in ``buf`` start with a nonzero magic
-    (the cheap pre-filter of a recovery scan)."""
-    first = buf[:count * header_bytes].view(np.uint64)[::header_bytes // 8]
-    return np.asarray(first != 0)
 
 
 TOMBSTONE_CACHE: dict[int, bytes] = {}
