@@ -194,8 +194,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``phx bench io``."""
     p.description = (
         f"Default rows: {_default_rows_text()}; {DEFAULT_REPEATS} repeats x "
-        f"{DEFAULT_RUNTIME:g} s per engine per row, three engines: about 13 minutes per "
-        f"row set on the 2-core development box (1 GiB file), 26 with --zram. --quick: "
+        f"{DEFAULT_RUNTIME:g} s per engine per row, four engines: about 17 minutes per "
+        f"row set on the 2-core development box (1 GiB file), 35 with --zram. --quick: "
         f"{QUICK_REPEATS} x {QUICK_RUNTIME:g} s (about 1 minute per row set). The time is "
         f"printed at the start.")
     p.add_argument("--size", type=positive_size, default=parse_size(DEFAULT_SIZE),
