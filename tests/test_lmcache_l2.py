@@ -84,6 +84,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             mounts[fs] = _mount(base, fs)
         seed = random.randrange(1 << 30)
         args = [f"--seed={seed}"] + [f"--fs={fs}={d}" for fs, d in mounts.items()]
+        if os.environ.get("PHX_L2_ONLY"):      # development: some scenarios only
+            args.append("--only=" + os.environ["PHX_L2_ONLY"])
         r = support.run_py(CHECKS, args, support.child_env(SITE or ""), timeout=600)
         line = [x for x in r.stdout.splitlines() if x.startswith("L2RESULT ")]
         if r.returncode or not line:
