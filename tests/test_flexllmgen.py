@@ -58,7 +58,8 @@ def test_flexgen_imports_and_phxdisk_is_a_disk():
 
 
 @pytest.mark.parametrize("dev", ["cpu", "cuda"])
-@pytest.mark.parametrize("mode", ["dual", "dual+no-write-behind", "direct", "cachepolicy"])
+@pytest.mark.parametrize("mode", ["dual", "dual+no-write-behind", "direct", "cachepolicy",
+                                  "dual-mem"])
 def test_phxdisk_through_general_copy(kvdir, mode, dev):
     """FlexLLMGen's KV traffic through its general_copy onto PhxDisk (CPU tensors
     here; CUDA tensors through the Co-DMA relays on a GPU): every read returns the
@@ -116,7 +117,7 @@ def test_phxdisk_through_general_copy(kvdir, mode, dev):
     d.synchronize()
     assert torch.equal(sub.data.cpu(), model[k.name][10:14, 3:8])
     st = d.stats()
-    if mode == "dual":
+    if mode in ("dual", "dual-mem"):
         assert st["plan"]["layers_pagecache"] == [0, 1, 2], st
     elif mode == "direct":
         assert st["plan"]["layers_pagecache"] == []
@@ -143,6 +144,98 @@ def test_phxdisk_through_general_copy(kvdir, mode, dev):
         k.delete()
         v.delete()
     assert d.store.tensors() == []
+    d.close()
+
+
+def _prefill_and_decode(d, pb, seed, steps=3):
+    """FlexLLMGen's traffic on a PhxDisk (CPU tensors): 4 layers, prefill of 40
+    rows, ``steps`` decode steps; returns (caches, the reference bytes, whether each
+    load returned the bytes written)."""
+    import torch
+    cpu = pb.TorchDevice("cpu")
+    caches = [d.init_cache_one_gpu_batch(_Cfg, _Task, _Pol) for _ in range(4)]
+    g = torch.Generator().manual_seed(seed)
+    model = {}
+    for k, v in caches:
+        for t in (k, v):
+            x = torch.randn(40, 16, 16, generator=g).half()
+            pb.general_copy(t, (slice(0, 40), slice(0, 16)),
+                            pb.TorchTensor.create_from_torch(x, cpu), None)
+            model[t.name] = torch.zeros(45, 16, 16).half()
+            model[t.name][:40] = x
+    d.synchronize()
+    loads = []
+    for i in range(1, steps + 1):
+        for k, v in caches:
+            for t in (k, v):
+                ret = cpu.allocate((40 + i, 16, 16), np.float16, pin_memory=False)
+                pb.general_copy(ret, None, t, (slice(0, 40 + i), slice(0, 16)))
+                d.synchronize()
+                loads.append(bool(torch.equal(ret.data, model[t.name][:40 + i])))
+                x = torch.randn(1, 16, 16, generator=g).half()
+                pb.general_copy(t, (slice(39 + i, 40 + i), slice(0, 16)),
+                                pb.TorchTensor.create_from_torch(x, cpu), None)
+                model[t.name][39 + i:40 + i] = x
+        d.synchronize()
+    return caches, model, loads
+
+
+def test_phxdisk_kv_digest_and_negative_control(kvdir):
+    """kv_digest(): SHA-256 over every KV tensor's prefill rows as the store gives
+    them back, in allocation order -- the same for every mode on the same data and
+    equal to the digest of the reference bytes; corrupt_read=True (the negative
+    control) changes both the loads and the digest."""
+    pb = _flexgen()
+    import hashlib
+    from phx_disk import PhxDisk
+    digests = {}
+    for mode in ("dual", "dual-mem", "direct", "cachepolicy", "dual-mem+corrupt"):
+        m, _, corrupt = mode.partition("+")
+        d = PhxDisk(os.path.join(kvdir, mode), mode=m, budget=2 * 2 * 24576,
+                    num_copy_threads=2, corrupt_read=bool(corrupt))
+        caches, model, loads = _prefill_and_decode(d, pb, seed=11)
+        assert all(loads) is (not corrupt), mode
+        for k, v in caches:
+            k.delete()
+            v.delete()
+        digests[mode] = d.kv_digest()
+        ref = hashlib.sha256()
+        for t in [t for kv in caches for t in kv]:
+            ref.update(hashlib.sha256(model[t.name][:40].numpy().tobytes()).hexdigest().encode())
+        if not corrupt:
+            assert digests[mode] == ref.hexdigest(), mode
+        d.close()
+    assert len({digests[m] for m in ("dual", "dual-mem", "direct", "cachepolicy")}) == 1
+    assert digests["dual-mem+corrupt"] != digests["dual"]
+
+
+def test_phxdisk_dual_mem_rebalances_at_a_step_boundary(kvdir):
+    """dual-mem re-plans at the first synchronisation of each decode step: when
+    the budget grows, Group 2 layers are promoted to Group 1 (memory) there, and
+    every load still returns the bytes written."""
+    pb = _flexgen()
+    from phx_disk import PhxDisk
+    d = PhxDisk(os.path.join(kvdir, "rb"), mode="dual-mem", budget=1 * 2 * 24576,
+                num_copy_threads=2)
+    caches, model, loads = _prefill_and_decode(d, pb, seed=5, steps=1)
+    assert d.stats()["plan"]["layers_pagecache"] == [0]
+    d.store.budget_override = 3 * 2 * 24576
+    caches2 = caches
+    import torch
+    cpu = pb.TorchDevice("cpu")
+    for i in (2, 3):
+        for k, v in caches2:
+            for t in (k, v):
+                ret = cpu.allocate((40 + i - 1, 16, 16), np.float16, pin_memory=False)
+                pb.general_copy(ret, None, t, (slice(0, 40 + i - 1), slice(0, 16)))
+                d.synchronize()
+                assert torch.equal(ret.data, model[t.name][:40 + i - 1]), (i, t.name)
+    st = d.stats()
+    assert st["plan"]["layers_pagecache"] == [0, 1, 2], st
+    assert [r["promoted"] for r in st["rebalances"]] == [[1, 2]], st["rebalances"]
+    for k, v in caches:
+        k.delete()
+        v.delete()
     d.close()
 
 
@@ -317,3 +410,87 @@ def test_runner_moves_itself_into_the_cap_and_back(kvdir):
     assert "phx-test-capped-" not in doc["after"] and "phx-test-capbase-" in doc["after"]
     assert doc["info"]["peak_bytes"] is None or doc["info"]["peak_bytes"] <= 24 << 20
     assert doc["info"]["oom_kills"] == 0 and doc["info"]["swap_limited"]
+
+
+def test_runner_issue26_harness(tmp_path):
+    """run_four's harness (issue 26, part 5): caps and configurations rotate per
+    repeat (5 by default) with the negative control last; the ideal caches the
+    cap's KV share (not a configuration's hit rate) and reads the rest at fio's
+    bandwidth; stalls are counted; a run whose KV digest differs from stock's
+    fails; the control is detected when its digest or tokens change."""
+    import run_four as rf
+    jobs = rf.plan_jobs(["stock", "dual", "dual-mem"], [0.2, 0.4, 0.6], 5, True)
+    assert len(jobs) == 16 and jobs[-1] == (0, "dual-mem", [0.2], True)
+    assert [j[2][0] for j in jobs[:15:3]] == [0.2, 0.4, 0.6, 0.2, 0.4]
+    assert [j[1] for j in jobs[:15:3]] == ["stock", "dual", "dual-mem", "stock", "dual"]
+    import argparse  # noqa: F401  (the default repeat is read from main's parser below)
+    assert rf.stall_steps([1.0, 1.0, 3.0, 1.1]) == [2]
+    assert rf.mixed_cpu_percent(0.4) == pytest.approx(40.0) and rf.mixed_cpu_percent(1.2) == 100
+    c = {**_conf(), "configs": ["stock", "dual", "dual-mem"], "fio": {"gbps": 2.0}}
+    ids = [[1, 2, 3]]
+    cal = _runs("dual", ids, 1.0, hit=0.9)
+    cal["calibration"] = {"pagecache_read_gbps": 10.0, "dev_read_gbps": 1.0}
+    cal["compute"] = {"decode_step_s": 0.01}
+    res = [_runs("stock", ids, 2.0), cal, _runs("dual-mem", ids, 0.9)]
+    for r in res:
+        for x in r["runs"]:
+            x["kv_digest"] = "d"
+            x["decode_step_s"] = [0.1, 0.1, 0.5]
+            x["stall_steps"] = [2]
+    ctl = _runs("dual-mem", ids, 0.9)
+    for x in ctl["runs"]:
+        x["kv_digest"] = "other"
+    ctl["control"] = True
+    agg = rf.aggregate(res + [ctl], c)
+    assert agg["digests_identical"] and agg["ids_identical"] and not agg["checks"]
+    assert agg["negative_control"]["detected"] and agg["negative_control"]["digest_changed"]
+    row = [r for r in agg["rows"] if r["config"] == "dual-mem"][0]
+    assert row["ideal_decode_s"] == pytest.approx(rf.ideal_decode_s(c, 0.5, 0.01, 1e10, 2e9))
+    assert row["stall_steps"] == 1 and row["prefill_runs"] == [0.9]
+    # a KV digest other than stock's fails the run; an undetected control fails too
+    res[2]["runs"][0]["kv_digest"] = "x"
+    for x in ctl["runs"]:
+        x["kv_digest"] = "d"
+    agg = rf.aggregate(res + [ctl], c)
+    assert not agg["digests_identical"]
+    assert [x["config"] for x in agg["checks"]] == ["dual-mem"]
+    assert agg["negative_control"]["detected"] is False
+
+
+def test_runner_mixed_device_digest_and_delete(kvdir):
+    """stock-mixed's KV (FlexLLMGen's TorchMixedDevice, half the heads on the CPU,
+    half on disk): deleting a tensor digests the prefill rows of the whole tensor
+    (both segments joined) and then does what FlexLLMGen's delete does."""
+    pb = _flexgen()
+    import hashlib
+    import run_four as rf
+    import torch
+    pb.fix_recursive_import()              # as flex_opt.py does
+    dg = rf._Digests()
+    Disk, Mixed = rf._digesting_devices(dg)
+    cpu = pb.TorchDevice("cpu")
+    disk = Disk.__new__(Disk)              # no copy threads (they need CUDA)
+    disk.name, disk.path, disk.device_type = "d", os.path.join(kvdir, "mixed"), pb.DeviceType.DISK
+    os.makedirs(disk.path)
+
+    class Pol:
+        gpu_batch_size, cache_gpu_percent, cache_cpu_percent, cache_disk_percent = 2, 0, 50, 50
+    mixed = Mixed([cpu, cpu, disk])
+    k, v = mixed.init_cache_one_gpu_batch(_Cfg, _Task, Pol)
+    want = {}
+    for t in (k, v):
+        segs = t.data[0]
+        assert segs[0] is None and segs[1].shape[1] == 8 and segs[2].shape[1] == 8
+        full = torch.randn(t.shape).half()
+        segs[1].data.copy_(full[:, :8])
+        mm = np.load(segs[2].data, mmap_mode="r+")
+        mm[:] = full[:, 8:].numpy()
+        mm.flush()
+        del mm
+        want[t.name] = hashlib.sha256(full[:_Task.prompt_len].numpy().tobytes()).hexdigest()
+    names = (k.name, v.name)
+    k.delete()
+    v.delete()
+    assert k.device is None and v.data is None          # FlexLLMGen's own delete ran
+    assert dg.by_index == {0: want[names[0]], 1: want[names[1]]}
+    assert dg.digest() is not None

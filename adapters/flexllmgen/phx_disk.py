@@ -13,7 +13,21 @@ cache in a :class:`phx.kv.KVStore`:
 - ``mode="direct"``: NVMe-direct-only (everything O_DIRECT);
 - ``mode="cachepolicy"``: CachePolicy-only: everything through the page cache,
   ``posix_fadvise(DONTNEED)`` after every write to the layers Algorithm 1 leaves
-  outside the budget (less one tensor + readahead in transit per copy thread).
+  outside the budget (less one tensor + readahead in transit per copy thread:
+  :func:`phx.kv.planner.cachepolicy_split`, the one definition ``phx bench kv``
+  uses too);
+- ``mode="dual-mem"``: Dual-Blade v2: Group 1 in memory that is never written
+  back (``KVStore(group1="memory")``), re-planned at every decode step's first
+  synchronisation (:meth:`phx.kv.KVStore.rebalance`: the non-KV footprint is
+  measured then, Group 2 layers promoted where room appeared, Group 1 shrunk
+  where it went), with the store's guard against the OOM killer.
+
+Every KV tensor's prefill rows are hashed as the tensor is deleted (read back
+through the store, so a corrupted read changes it): :meth:`PhxDisk.kv_digest`
+is one SHA-256 over them in allocation order, comparable across configurations
+(``run_four.py`` computes the same for stock FlexLLMGen).  ``corrupt_read=True``
+is the negative control: every read of the first KV tensor comes back with one
+byte flipped.
 
 GPU tensors move through the store's Co-DMA relays (:mod:`phx.kv.codma`: one
 pinned relay of one K or V tensor per copy thread, with its own CUDA stream); CPU
@@ -41,11 +55,13 @@ from flexgen.compression import TorchCompressedDevice
 
 pb.fix_recursive_import()      # as flex_opt.py does: pytorch_backend's late imports
 
-from phx.kv import KVStore, RelayPool, place_layers
-from phx.kv.planner import PAGECACHE
+import hashlib
+
+from phx.kv import KVStore, RelayPool
+from phx.kv.planner import cachepolicy_split, readahead_bytes
 from phx.kv.slab import PageCacheBackend, round_up
 
-MODES = ("dual", "direct", "cachepolicy")
+MODES = ("dual", "direct", "cachepolicy", "dual-mem")
 INTRA, CROSS = "overlap-intra", "overlap-cross"
 
 
@@ -144,7 +160,8 @@ class PhxDisk:
                  num_copy_threads: int = 4, *,
                  mode: str = "dual", relay_bytes: int | None = None,
                  budget: int | None = None, reserve: int | None = None,
-                 strategy: str | None = None, write_behind: bool | None = None):
+                 strategy: str | None = None, write_behind: bool | None = None,
+                 corrupt_read: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.name = path
@@ -158,6 +175,7 @@ class PhxDisk:
         self._budget, self._reserve = budget, reserve
         self._strategy = strategy
         self._write_behind = write_behind
+        self.corrupt_read = corrupt_read
         self.relays: RelayPool | None = None
         if relay_bytes and torch.cuda.is_available():
             # made once, outside any later memory cap (FlexLLMGen's relays are too),
@@ -183,16 +201,23 @@ class PhxDisk:
             old.destroy()
         self.path = os.path.abspath(os.path.expanduser(path))
         os.makedirs(self.path, exist_ok=True)
-        smode = {"dual": "dual", "direct": "direct", "cachepolicy": "pagecache"}[self.mode]
+        smode = {"dual": "dual", "direct": "direct", "cachepolicy": "pagecache",
+                 "dual-mem": "dual"}[self.mode]
         self.store = KVStore(self.path, mode=smode, budget=self._budget, reserve=self._reserve,
                              copy_threads=self.num_copy_threads, relays=self.relays,
                              write_behind=self._write_behind,
+                             group1="memory" if self.mode == "dual-mem" else "pagecache",
                              device=self.cuda_id if self.relays is None and
                              torch.cuda.is_available() else None)
         self._planned = False
         self._evict_from: int | None = None
         self._layer = 0
-        self.overlap = _Overlap(self._strategy if self.mode == "dual" else INTRA)
+        self.overlap = _Overlap(self._strategy if self.mode.startswith("dual") else INTRA)
+        self._prompt_rows: int | None = None
+        self._cache_ids: set[int] = set()
+        self._digests: dict[int, str] = {}
+        self._rebalanced_step = 0
+        self.rebalances: list[dict[str, Any]] = []
 
     def add_link(self, link: Any) -> None:
         dst = link.b if link.a == self else link.a
@@ -211,15 +236,36 @@ class PhxDisk:
         kv = tensor.data
         # a tensor of a store set_path() already removed is gone with its files
         if kv is not None and kv in self.store.tensors():
+            if kv.id in self._cache_ids and self._prompt_rows and kv.materialized:
+                # the prefill's KV as the store gives it back
+                rows = self.store.read(kv, 0, min(self._prompt_rows, kv.rows))
+                b = np.ascontiguousarray(rows).view(np.uint8)
+                if self.corrupt_read and kv.id == min(self._cache_ids):
+                    b = b.copy()
+                    b.reshape(-1)[0] ^= 0xFF
+                self._digests[kv.id] = hashlib.sha256(b).hexdigest()
             self.store.free(kv)
+
+    def kv_digest(self) -> str | None:
+        """SHA-256 over every deleted KV cache tensor's prefill rows, in allocation
+        order (None before any was deleted)."""
+        if not self._digests:
+            return None
+        h = hashlib.sha256()
+        for i in sorted(self._digests):
+            h.update(self._digests[i].encode())
+        return h.hexdigest()
 
     def init_cache_one_gpu_batch(self, config: Any, task: Any, policy: Any) -> tuple[Any, Any]:
         shape = (task.prompt_len + task.gen_len - 1, policy.gpu_batch_size * config.n_head,
                  config.input_dim // config.n_head)
         layer = self._layer                      # K and V of one layer: one (K, V) pair
         self._layer += 1
-        return (self.allocate(shape, np.float16, layer=layer),
+        self._prompt_rows = task.prompt_len
+        k, v = (self.allocate(shape, np.float16, layer=layer),
                 self.allocate(shape, np.float16, layer=layer))
+        self._cache_ids.update((k.data.id, v.data.id))
+        return k, v
 
     # -- copies -------------------------------------------------------------
     def _queue(self) -> queue.Queue[Any]:
@@ -236,6 +282,15 @@ class PhxDisk:
         if self._errors:
             e, self._errors = self._errors[0], []
             raise e
+        if self.mode == "dual-mem" and self.overlap.step > self._rebalanced_step:
+            # a safe point (no copy in flight) in a new decode step: re-plan with
+            # the footprint measured now
+            self._rebalanced_step = self.overlap.step
+            t0 = time.perf_counter()
+            r = self.store.rebalance()
+            if r["promoted"] or r["demoted"]:
+                self.rebalances.append({**r, "step": self.overlap.step,
+                                        "seconds": time.perf_counter() - t0})
 
     def _plan(self) -> None:
         plan = self.store.plan()
@@ -246,8 +301,8 @@ class PhxDisk:
             for t in ts:
                 pair[t.layer] += round_up(t.nbytes, 4096)
             big = max((t.nbytes for t in ts), default=0)
-            transit = self.num_copy_threads * (round_up(big, 4096) + (128 << 10))
-            n1 = place_layers([pair[L] for L in layers], plan.budget.bytes - transit).n1
+            n1 = cachepolicy_split([pair[L] for L in layers], plan.budget.bytes, big,
+                                   self.num_copy_threads, readahead_bytes(self.path))
             self._evict_from = layers[n1] if n1 < len(layers) else None
         self._planned = True
 
@@ -306,6 +361,14 @@ class PhxDisk:
             ov.end_read((b - a) * kv.row_bytes)
 
     def _read_rows(self, kv: Any, a: int, b: int, out: torch.Tensor, ov: _Overlap) -> None:
+        self._read_rows_plain(kv, a, b, out, ov)
+        if self.corrupt_read and kv.id == min(self._cache_ids, default=-1) and b > a:
+            # the negative control: the first KV tensor's rows come back changed
+            flat = out.view(-1)
+            flat[0] = -flat[0] + 1
+
+    def _read_rows_plain(self, kv: Any, a: int, b: int, out: torch.Tensor,
+                         ov: _Overlap) -> None:
         if out.is_cuda:
             job = self.store.copy_job(kv, a, b, out)
             with self.store.relays(out.device.index or 0).acquire() as r:
@@ -362,7 +425,10 @@ class PhxDisk:
         pool = self.relays or self.store.relay_pool
         return {"mode": self.mode, "plan": plan.as_dict() if plan else None,
                 "evict_from_layer": self._evict_from,
-                "pipeline": self.overlap.report() if self.mode == "dual" else None,
+                "pipeline": self.overlap.report() if self.mode.startswith("dual") else None,
+                "kv_digest": self.kv_digest(),
+                "rebalances": self.rebalances,
+                "moves": [list(m) for m in self.store.moves],
                 "relays": pool.stats() if pool else None}
 
     def mem_stats(self) -> None:

@@ -6,6 +6,18 @@
                  the budget (adapters/flexllmgen/phx_disk.py)
     direct       NVMe-direct-only: every KV tensor O_DIRECT through phx
     dual         Dual-Blade: Algorithm 1 split + adaptive pipeline, Co-DMA relays
+    stock-mixed  FlexLLMGen's own CPU + disk split of the KV cache sized to the cap
+                 (Policy(cache_cpu_percent = the cap's KV share), its TorchMixedDevice)
+    dual-mem     Dual-Blade v2: Group 1 in memory that is never written back,
+                 re-planned at every decode step (issue 26)
+
+Issue 26's harness: every worker warms up with a decode (3 new tokens) before its
+caps; caps rotate per repeat (5 by default); the ideal caches the cap's KV share and
+reads the rest at fio's bandwidth (measured once, for every configuration); stalls
+(steps over twice the run's median) are counted, never discounted; every run's KV
+digest (SHA-256 over every KV tensor's prefill rows as the disk gives them back) must
+equal stock's, and a negative control (one KV tensor's reads corrupted) must change
+the digest or the token ids.
 
 One worker process per configuration loads OPT with ``_DUMMY_`` weights -- drawn
 at random on the GPU from a fixed seed, the same in every worker (FlexLLMGen's own
@@ -46,12 +58,15 @@ from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = ("stock", "cachepolicy", "direct", "dual")
+CONFIGS = ("stock", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem")
 # not one of the paper's four: Dual-Blade without phx's write-behind (the paper's own
 # design), run beside dual (--configs stock,cachepolicy,direct,dual,dual-nowb) so the
 # two are compared in one run
 EXTRA_CONFIGS = ("dual-nowb",)
-LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)", "cachepolicy": "CachePolicy-only",
+LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)",
+          "stock-mixed": "FlexLLMGen CPU+disk split at the cap",
+          "dual-mem": "Dual-Blade v2 (Group 1 in memory)",
+          "cachepolicy": "CachePolicy-only",
           "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)",
           "dual-nowb": "Dual-Blade, no write-behind"}
 MiB = 1 << 20
@@ -81,7 +96,9 @@ def decode_read_bytes(cfg: dict[str, Any]) -> list[int]:
 
 def ideal_decode_s(cfg: dict[str, Any], hit_rate: float, compute_step_s: float, pc_bw: float,
                    dev_bw: float) -> float:
-    """Overlap model: per step max(compute, cached/pc_bw + rest/dev_bw)."""
+    """Overlap model: per step max(compute, cached/pc_bw + rest/dev_bw).  The
+    runner passes the cap's KV share as ``hit_rate`` (not any configuration's own)
+    and fio's device bandwidth."""
     t = 0.0
     for b in decode_read_bytes(cfg):
         c = hit_rate * b
@@ -129,6 +146,98 @@ def run_capped(name: str, limit: int, base: str,
     return val, info
 
 
+def stall_steps(steps: list[float]) -> list[int]:
+    """Steps over twice the run's median step (reported; decode_s keeps them)."""
+    if not steps:
+        return []
+    m = sorted(steps)[len(steps) // 2]
+    return [i for i, x in enumerate(steps) if x > 2 * m]
+
+
+def mixed_cpu_percent(frac: float) -> float:
+    """stock-mixed's ``cache_cpu_percent``: the cap's KV share of the working set
+    (FlexLLMGen rounds it down to whole heads itself)."""
+    return max(0.0, min(100.0, 100.0 * frac))
+
+
+class _Digests:
+    """SHA-256 of each KV cache tensor's prefill rows, by allocation order, taken
+    as FlexLLMGen deletes it (stock's .npy files, the mixed device's segments
+    joined along axis 1)."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, str] = {}
+        self.index: dict[str, int] = {}
+        self.prompt = 0
+
+    def note(self, tensors: Any, prompt: int) -> None:
+        self.prompt = prompt
+        for t in tensors:
+            self.index.setdefault(t.name, len(self.index))
+
+    def take(self, tensor: Any, arr: Any) -> None:
+        import hashlib
+        import numpy as np
+        i = self.index.get(tensor.name)
+        if i is not None:
+            b = np.ascontiguousarray(arr[:self.prompt]).view(np.uint8)
+            self.by_index[i] = hashlib.sha256(b).hexdigest()
+
+    def digest(self) -> str | None:
+        import hashlib
+        if not self.by_index:
+            return None
+        h = hashlib.sha256()
+        for i in sorted(self.by_index):
+            h.update(self.by_index[i].encode())
+        return h.hexdigest()
+
+
+def _digesting_devices(dg: _Digests) -> tuple[Any, Any]:
+    """stock's TorchDisk and TorchMixedDevice, digesting KV cache tensors as they
+    are deleted.  A mixed tensor's ``delete()`` (flexgen 0.1.8's TorchTensor) only
+    drops its references -- the device's own ``delete`` is called for disk
+    tensors alone -- so each mixed KV tensor's ``delete`` is wrapped: digest, then
+    FlexLLMGen's own."""
+    import numpy as np
+    from flexgen.pytorch_backend import TorchDisk, TorchMixedDevice
+
+    class DigestDisk(TorchDisk):            # type: ignore[misc]  # untyped base
+        def init_cache_one_gpu_batch(self, config: Any, task: Any, policy: Any) -> Any:
+            kv = super().init_cache_one_gpu_batch(config, task, policy)
+            dg.note(kv, task.prompt_len)
+            return kv
+
+        def delete(self, tensor: Any) -> None:
+            if os.path.exists(tensor.data):
+                dg.take(tensor, np.load(tensor.data, mmap_mode="r"))
+            super().delete(tensor)
+
+    def digest_mixed(t: Any) -> None:
+        parts = []
+        for x in t.data[0]:
+            if x is None:
+                continue
+            d = x.data
+            parts.append(np.load(d, mmap_mode="r") if isinstance(d, str) else d.cpu().numpy())
+        if parts:
+            dg.take(t, np.concatenate(parts, axis=1))
+
+    class DigestMixed(TorchMixedDevice):    # type: ignore[misc]  # untyped base
+        def init_cache_one_gpu_batch(self, config: Any, task: Any, policy: Any) -> Any:
+            kv = super().init_cache_one_gpu_batch(config, task, policy)
+            dg.note(kv, task.prompt_len)
+            for t in kv:
+                own = t.delete
+
+                def delete(t: Any = t, own: Any = own) -> None:
+                    digest_mixed(t)
+                    own()
+                t.delete = delete
+            return kv
+    return DigestDisk, DigestMixed
+
+
 def _random_weights(seed: int) -> Any:
     """A replacement for flex_opt.init_weight_list: weights on their home device,
     seeded random (the same bytes in every process)."""
@@ -162,7 +271,7 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
     sys.path.insert(0, HERE)
     from flexgen import flex_opt as fo
     from flexgen.compression import CompressionConfig
-    from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
+    from flexgen.pytorch_backend import TorchDevice
     from flexgen.timer import timers
     from flexgen.utils import ExecutionEnv
     from phx.kv import _sys
@@ -177,23 +286,30 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
     ws = working_set(conf)
     tb = tensor_bytes(conf)
 
-    def policy(cache_gpu: int) -> Any:
+    def policy(cache_gpu: int, cache_cpu: float = 0) -> Any:
         cc = CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False)
-        return fo.Policy(conf["batch"], 1, 100, 0, cache_gpu, 0, 100, 0, True, True, True,
-                         False, 1.0, False, cc, False,
+        return fo.Policy(conf["batch"], 1, 100, 0, cache_gpu, cache_cpu, 100, 0, True, True,
+                         True, False, 1.0, False, cc, False,
                          CompressionConfig(num_bits=4, group_size=64, group_dim=2,
                                            symmetric=False))
     gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
-    if cfg == "stock":
-        disk = TorchDisk(os.path.join(root, "warm"))
+    dg = _Digests()
+    DigestDisk, DigestMixed = _digesting_devices(dg)
+    stock = cfg in ("stock", "stock-mixed")
+    if stock:
+        disk = DigestDisk(os.path.join(root, "warm"))
         pinned = len(disk.copy_threads) * 2 * 1024 ** 3     # 1 Gi fp16 elements each
     else:
         nowb = cfg == "dual-nowb"
+        # dual-mem measures what the cap holds besides the KV (no allowance as
+        # reserve) and re-plans every step; the others keep the v1 harness's reserve
         disk = PhxDisk(os.path.join(root, "warm"), mode="dual" if nowb else cfg, relay_bytes=tb,
-                       reserve=allowance, strategy=conf.get("strategy"),
-                       write_behind=False if nowb else None)
+                       reserve=None if cfg == "dual-mem" else allowance,
+                       strategy=conf.get("strategy"),
+                       write_behind=False if nowb else None,
+                       corrupt_read=bool(conf.get("corrupt_read")))
         pinned = disk.relays.pinned_bytes if disk.relays else 0
-    env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
+    env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=DigestMixed([gpu, cpu, disk]))
     opt_config = fo.get_opt_config(conf["model"])
     rng = np.random.default_rng(conf["seed"])
     nprompts = conf["batch"]
@@ -203,7 +319,8 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = fo.OptLM(opt_config, env, "_DUMMY_", policy(0))
     res["load_s"] = time.perf_counter() - t0
-    model.generate(warm, max_new_tokens=1)
+    # the warm-up: a prefill and two decode steps, in every worker
+    model.generate(warm, max_new_tokens=3)
 
     if conf.get("calibrate"):
         # the ideal's terms: compute with the KV cache on the GPU; the bandwidths
@@ -228,12 +345,20 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
     base = conf["base_cgroup"]
     for frac in conf["caps"]:
         d = os.path.join(root, f"cap{frac}")
-        if cfg == "stock":
+        if stock:
             os.makedirs(d, exist_ok=True)
             disk.path = d
         else:
             disk.set_path(d)
         limit = allowance + int(frac * ws)
+        if cfg == "stock-mixed":
+            # FlexLLMGen's own split for this cap: a model with that policy
+            del model
+            torch.cuda.empty_cache()
+            model = fo.OptLM(opt_config, env, "_DUMMY_", policy(0, mixed_cpu_percent(frac)))
+            model.generate(warm, max_new_tokens=3)
+        dg.by_index.clear()
+        dg.index.clear()
 
         def gen() -> tuple[Any, list[float]]:
             timers("generate").reset()
@@ -250,18 +375,24 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
             ids, costs = val
             run.update({
                 "prefill_s": costs[0], "decode_s": sum(costs[1:]), "decode_step_s": costs[1:],
+                "stall_steps": stall_steps(costs[1:]),
                 "output_ids": np.asarray(ids).tolist()})
             logical = sum(decode_read_bytes(conf))
             run["hit_rate"] = max(0.0, 1.0 - run["device_read_bytes"] / logical)
-        if cfg != "stock":
+        if not stock:
             run["phx"] = disk.stats()
+            run["kv_digest"] = run["phx"]["kv_digest"]
+        else:
+            run["kv_digest"] = dg.digest()
+        if cfg == "stock-mixed":
+            run["cache_cpu_percent"] = mixed_cpu_percent(frac)
         res["runs"].append(run)
         shutil.rmtree(d, ignore_errors=True)
         if out:
             with open(out + ".tmp", "w") as f:
                 json.dump(res, f)
             os.replace(out + ".tmp", out)
-    if cfg != "stock":
+    if not stock:
         disk.close()
     else:
         disk.close_copy_threads()
@@ -269,13 +400,15 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
 
 
 # -- the parent ------------------------------------------------------------------------
-def _failure(run: dict[str, Any], want_ids: Any) -> str | None:
+def _failure(run: dict[str, Any], want_ids: Any, want_digest: str | None = None) -> str | None:
     if run.get("error"):
         return str(run["error"])
     if run.get("oom_kills"):
         return f"{run['oom_kills']} OOM kill(s) in its cgroup"
     if want_ids is not None and run.get("output_ids") != want_ids:
         return "output token ids differ from stock FlexLLMGen's"
+    if want_digest is not None and run.get("kv_digest") != want_digest:
+        return "KV digest differs from stock FlexLLMGen's"
     return None
 
 
@@ -283,11 +416,16 @@ def aggregate(results: list[dict[str, Any]], conf: dict[str, Any]) -> dict[str, 
     """Medians per cap and configuration, the ids check, ratios and the ideal."""
     from statistics import median
     stock_ids = None
+    stock_digest = None
+    control = [r for r in results if r.get("control")]
+    results = [r for r in results if not r.get("control")]
     for r in results:
         if r["config"] == "stock":
             for run in r["runs"]:
                 if run.get("output_ids") is not None:
                     stock_ids = stock_ids or run["output_ids"]
+                if run.get("kv_digest"):
+                    stock_digest = stock_digest or run["kv_digest"]
     cal = next((r for r in results if r.get("calibration")), None)
     rows = []
     checks = []
@@ -296,7 +434,7 @@ def aggregate(results: list[dict[str, Any]], conf: dict[str, Any]) -> dict[str, 
         for cfg in conf["configs"]:
             runs = [run for r in results if r["config"] == cfg for run in r["runs"]
                     if run["cap_fraction"] == frac]
-            bad = [_failure(x, stock_ids) for x in runs]
+            bad = [_failure(x, stock_ids, stock_digest) for x in runs]
             good = [x for x, b in zip(runs, bad) if b is None]
             checks += [{"cap_fraction": frac, "config": cfg, "failure": b} for b in bad if b]
             row = {"cap_fraction": frac, "config": cfg, "runs": len(good),
@@ -310,6 +448,9 @@ def aggregate(results: list[dict[str, Any]], conf: dict[str, Any]) -> dict[str, 
                                       if vals and median(vals) else None)
             row["pinned_bytes"] = next((r["pinned_bytes"] for r in results
                                         if r["config"] == cfg), None)
+            # every run's prefill and stall count: nothing discounted, either side
+            row["prefill_runs"] = [x.get("prefill_s") for x in good]
+            row["stall_steps"] = sum(len(x.get("stall_steps") or []) for x in good)
             if cfg.startswith("dual"):
                 row["n1"] = [len((x.get("phx") or {}).get("plan", {}).get("layers_pagecache")
                                  or []) for x in good]
@@ -322,20 +463,39 @@ def aggregate(results: list[dict[str, Any]], conf: dict[str, Any]) -> dict[str, 
             if base and base.get("decode_s") and row.get("decode_s"):
                 row["decode_vs_stock"] = row["decode_s"] / base["decode_s"]
                 row["prefill_vs_stock"] = row["prefill_s"] / base["prefill_s"]
-        if cal and per.get("dual", {}).get("hit_rate") is not None:
+        if cal:
+            # the cap's KV share cached, the rest at fio's bandwidth (phx's own
+            # calibration only where fio did not run): one line for everyone
             c = cal["calibration"]
-            ideal = ideal_decode_s(conf, per["dual"]["hit_rate"], cal["compute"]["decode_step_s"],
-                                   c["pagecache_read_gbps"] * 1e9, c["dev_read_gbps"] * 1e9)
+            dev = (conf.get("fio") or {}).get("gbps") or c["dev_read_gbps"]
+            ideal = ideal_decode_s(conf, min(1.0, frac), cal["compute"]["decode_step_s"],
+                                   c["pagecache_read_gbps"] * 1e9, dev * 1e9)
             for row in per.values():
                 row["ideal_decode_s"] = ideal
-            per["dual"]["decode_vs_ideal"] = per["dual"]["decode_s"] / ideal
+                if row.get("decode_s"):
+                    row["decode_vs_ideal"] = row["decode_s"] / ideal
     gpu_ids = (cal or {}).get("compute", {}).get("output_ids")
     return {"rows": rows, "checks": checks, "stock_ids_found": stock_ids is not None,
             # the KV cache kept on the GPU (no disk at all) gives the same tokens too
             "gpu_cache_ids_identical": None if gpu_ids is None or stock_ids is None
             else gpu_ids == stock_ids,
             "ids_identical": stock_ids is not None and not any(
-                c["failure"] == "output token ids differ from stock FlexLLMGen's" for c in checks)}
+                c["failure"] == "output token ids differ from stock FlexLLMGen's" for c in checks),
+            "digests_identical": stock_digest is not None and not any(
+                c["failure"] == "KV digest differs from stock FlexLLMGen's" for c in checks),
+            "negative_control": _control(control, stock_ids, stock_digest)}
+
+
+def _control(control: list[dict[str, Any]], ids: Any, digest: str | None) -> dict[str, Any] | None:
+    """The negative control is detected when its digest or its token ids differ."""
+    if not control:
+        return None
+    runs = [x for r in control for x in r["runs"] if not x.get("error")]
+    return {"runs": len(runs),
+            "digest_changed": any(x.get("kv_digest") != digest for x in runs),
+            "ids_changed": any(x.get("output_ids") != ids for x in runs),
+            "detected": bool(runs) and all(x.get("kv_digest") != digest or
+                                           x.get("output_ids") != ids for x in runs)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -365,7 +525,8 @@ def plot(rows: list[dict[str, Any]], path: str, conf: dict[str, Any]) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     styles = {"stock": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
               "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
-              "dual-nowb": ("tab:olive", "v")}
+              "dual-nowb": ("tab:olive", "v"), "stock-mixed": ("tab:purple", "x"),
+              "dual-mem": ("tab:cyan", "P")}
     for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s") is not None]
         if not rs:
@@ -392,6 +553,21 @@ def plot(rows: list[dict[str, Any]], path: str, conf: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def plan_jobs(configs: list[str], caps: list[float], repeat: int,
+              control: bool) -> list[tuple[int, str, list[float], bool]]:
+    """(repeat, configuration, its caps in order, is the negative control) per
+    worker: configurations and caps both rotate by one per repeat; the control
+    (dual-mem, else the last configuration, at the first cap) comes last."""
+    jobs = []
+    for rep in range(repeat):
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        jobs += [(rep, cfg, caps[rep % len(caps):] + caps[:rep % len(caps)], False)
+                 for cfg in order]
+    if control:
+        jobs.append((0, "dual-mem" if "dual-mem" in configs else configs[-1], caps[:1], True))
+    return jobs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,7 +602,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=8)
     p.add_argument("--caps", default="0.2,0.4,0.6,0.8,1.0,1.2")
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--no-fio", action="store_true",
+                   help="the ideal's device bandwidth from phx's calibration, not fio")
+    p.add_argument("--no-negative-control", action="store_true",
+                   help="skip the worker whose KV reads of one tensor are corrupted")
     p.add_argument("--allowance", type=int, default=256 * MiB,
                    help="bytes of the cap beyond the KV share (the run's new non-KV memory)")
     p.add_argument("--seed", type=int, default=1234)
@@ -459,60 +639,70 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KV working set {working_set(conf) / MiB:.0f} MiB ({kv_shape(conf)} fp16 x "
           f"{2 * conf['layers']}); decode reads {sum(decode_read_bytes(conf)) / 1e9:.2f} GB; "
           f"caps = {a.allowance / MiB:.0f} MiB + fraction x WS", flush=True)
+    if not a.no_fio:
+        from phx.bench.kv import fio_read_gbps
+        try:
+            conf["fio"] = fio_read_gbps(a.dir)
+            print(f"device read {conf['fio']['gbps']:.2f} GB/s (fio): the ideal's", flush=True)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"fio not usable ({e}): the ideal uses phx's calibration", flush=True)
     results: list[dict[str, Any]] = []
     t_start = time.time()
-    n_workers = a.repeat * len(conf["configs"])
-    for rep in range(a.repeat):
-        order = conf["configs"][rep % len(conf["configs"]):] + conf["configs"][:rep % len(conf["configs"])]
-        for cfg in order:
-            out = os.path.join(a.dir, f"result-{cfg}-{rep}.json")
-            os.makedirs(a.dir, exist_ok=True)
-            base = MemCgroup(f"phx-flex-base-{os.getpid()}-{cfg}", None)
-            wconf = {**conf, "config": cfg, "dir": os.path.join(a.dir, f"{cfg}-{rep}"),
-                     "base_cgroup": base.path, "calibrate": cfg == "dual" and rep == 0}
-            t0 = time.time()
-            timeout = a.timeout
-            if a.budget_s is not None:
-                left = n_workers - len(results)
-                timeout = min(timeout, max(30.0, (a.budget_s - (t0 - t_start)) / left))
-            if os.path.exists(out):
-                os.unlink(out)
-            proc = base.popen([sys.executable, os.path.abspath(__file__), "--worker",
-                               json.dumps(wconf), out])
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-            base.close()
-            if os.path.exists(out):       # all caps, or those done before a timeout
-                with open(out) as f:
-                    r = json.load(f)
-                if rc != 0:
-                    done = {x["cap_fraction"] for x in r["runs"]}
-                    r["runs"] += [{"cap_fraction": f, "cap_bytes": None,
-                                   "error": f"worker exit {rc} before this cap"}
-                                  for f in conf["caps"] if f not in done]
-                r["repeat"] = rep
-                results.append(r)
-                os.unlink(out)
-                for run in r["runs"]:
-                    print(f"  {cfg:12s} cap {run['cap_fraction']:.2f}: prefill "
-                          f"{run.get('prefill_s', float('nan')):.3f} s decode "
-                          f"{run.get('decode_s', float('nan')):.3f} s hit "
-                          f"{100 * run.get('hit_rate', float('nan')):.1f}% "
-                          f"{run.get('error') or ''}", flush=True)
-            else:
-                print(f"  {cfg}: worker exit {rc} after {time.time() - t0:.0f} s", flush=True)
-                results.append({"config": cfg, "repeat": rep, "runs": [
-                    {"cap_fraction": f, "cap_bytes": None, "error": f"worker exit {rc}"}
-                    for f in conf["caps"]], "pinned_bytes": None})
-            shutil.rmtree(wconf["dir"], ignore_errors=True)
+    jobs = plan_jobs(conf["configs"], conf["caps"], a.repeat, not a.no_negative_control)
+    n_workers = len(jobs)
+    for rep, cfg, cap_order, is_control in jobs:
+        out = os.path.join(a.dir, f"result-{cfg}-{rep}.json")
+        os.makedirs(a.dir, exist_ok=True)
+        base = MemCgroup(f"phx-flex-base-{os.getpid()}-{cfg}", None)
+        wconf = {**conf, "config": cfg, "dir": os.path.join(a.dir, f"{cfg}-{rep}"),
+                 "base_cgroup": base.path, "caps": cap_order,
+                 "calibrate": cfg == "dual" and rep == 0 and not is_control,
+                 "corrupt_read": is_control}
+        t0 = time.time()
+        timeout = a.timeout
+        if a.budget_s is not None:
+            left = n_workers - len(results)
+            timeout = min(timeout, max(30.0, (a.budget_s - (t0 - t_start)) / left))
+        if os.path.exists(out):
+            os.unlink(out)
+        proc = base.popen([sys.executable, os.path.abspath(__file__), "--worker",
+                           json.dumps(wconf), out])
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        base.close()
+        if os.path.exists(out):       # all caps, or those done before a timeout
+            with open(out) as f:
+                r = json.load(f)
+            if rc != 0:
+                done = {x["cap_fraction"] for x in r["runs"]}
+                r["runs"] += [{"cap_fraction": f, "cap_bytes": None,
+                               "error": f"worker exit {rc} before this cap"}
+                              for f in cap_order if f not in done]
+            r["repeat"] = rep
+            r["control"] = is_control
+            results.append(r)
+            os.unlink(out)
+            for run in r["runs"]:
+                print(f"  {cfg:12s} cap {run['cap_fraction']:.2f}: prefill "
+                      f"{run.get('prefill_s', float('nan')):.3f} s decode "
+                      f"{run.get('decode_s', float('nan')):.3f} s hit "
+                      f"{100 * run.get('hit_rate', float('nan')):.1f}% "
+                      f"{run.get('error') or ''}", flush=True)
+        else:
+            print(f"  {cfg}: worker exit {rc} after {time.time() - t0:.0f} s", flush=True)
+            results.append({"config": cfg, "repeat": rep, "control": is_control, "runs": [
+                {"cap_fraction": f, "cap_bytes": None, "error": f"worker exit {rc}"}
+                for f in cap_order], "pinned_bytes": None})
+        shutil.rmtree(wconf["dir"], ignore_errors=True)
     agg = aggregate(results, conf)
     print(table(agg["rows"]))
     print("output token ids identical to stock FlexLLMGen's in every run:",
-          agg["ids_identical"], "| KV cache on the GPU gives them too:",
-          agg["gpu_cache_ids_identical"])
+          agg["ids_identical"], "| KV digests identical:", agg["digests_identical"],
+          "| KV cache on the GPU gives them too:", agg["gpu_cache_ids_identical"],
+          "| negative control detected:", (agg["negative_control"] or {}).get("detected"))
     doc = {"benchmark": "flexllmgen-four", "workload": conf, "working_set_bytes":
            working_set(conf), **agg, "raw": results}
     if a.json:
@@ -520,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1)
     if a.plot:
         plot(agg["rows"], a.plot, conf)
-    return 0 if agg["ids_identical"] and not agg["checks"] else 1
+    nc = agg["negative_control"]
+    return 0 if (agg["ids_identical"] and agg["digests_identical"] and not agg["checks"]
+                 and (nc is None or nc["detected"])) else 1
 
 
 if __name__ == "__main__":
