@@ -560,7 +560,9 @@ def test_bench_io_smoke(data_dir, tmp_path, capsys):
     assert cfg["targets"][0]["storage"]["fstype"] and cfg["targets"][0]["label"] == "disk"
     assert cfg["fio"]["submit_batch"] == cfg["phx"]["engine_config_last_run"]["submit_batch"]
     rows = doc["rows"]
-    assert len(rows) == 3 * 2 * 1 * 3  # ops x bs x qd x engines
+    assert len(rows) == 3 * 2 * 1 * len(bio.ENGINES)  # ops x bs x qd x engines
+    assert {r["counters_last_run"]["backend"] for r in rows if r["engine"] == "phx-threads"} \
+        == {"threads"}
     test_file = cfg["targets"][0]["path"]
     for r in rows:
         assert ROW_FIELDS <= set(r), r
@@ -638,7 +640,7 @@ def test_bench_io_zram_row_set(data_dir, tmp_path, capsys):
     z = doc["config"]["targets"][1]
     assert z["blockdev"]["kind"] == "zram" and z["zram"]["disksize"] == 256 * MiB
     zrows = [r for r in doc["rows"] if r["target"] == "zram"]
-    assert len(zrows) == 3 and all(r["blockdev"]["requests"] > 0 for r in zrows)
+    assert len(zrows) == len(bio.ENGINES) and all(r["blockdev"]["requests"] > 0 for r in zrows)
     zfio = next(r for r in zrows if r["engine"] == "fio")
     assert _opts(zfio["fio_argv"])["--filename"] == z["path"]
     check = next(c for c in doc["checks"] if c["target"] == "zram")
