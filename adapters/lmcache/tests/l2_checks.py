@@ -53,7 +53,9 @@ def make(slab: str, slots: int, **extra: object) -> tuple[StorageManager, object
     ex = {"storage_plugin.phx_l2.module_path": "phx_lmcache.l2",
           "storage_plugin.phx_l2.class_name": "PhxL2Backend",
           "phx_l2.paths": slab,
-          "phx_l2.capacity_gb": (4096 + slots * SLOT) / (1 << 30)}
+          "phx_l2.capacity_gb": (4096 + slots * SLOT) / (1 << 30),
+          # 4 pieces per chunk, 2 readers: the verify pipeline's piece and reader paths
+          "phx_l2.read_piece_kb": 64}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=TOK, local_cpu=True,
                                             max_local_cpu_size=0.1,

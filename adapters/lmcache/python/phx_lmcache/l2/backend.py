@@ -26,7 +26,6 @@ from . import format as fmt
 from .slab import SlabSet, log
 
 GiB = 1 << 30
-PIECE = 4 << 20            # unit of the read/verify pipeline
 
 # slot states
 _FREE, _DIRTY, _LIVE, _BUSY = 0, 1, 2, 3
@@ -118,7 +117,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self.max_queued = int(float(extra.get("phx_l2.max_queued_gb", 1)) * GiB)
         self.verify = _as_bool(extra.get("phx_l2.verify", True))
         self.fsync = _as_bool(extra.get("phx_l2.fsync", False))
-        self.window = max(1, int(extra.get("phx_l2.read_window", 4)))   # pieces of 4 MiB
+        self.window = max(1, int(extra.get("phx_l2.read_window", 2)))   # pieces in flight
+        self.piece = max(fmt.ALIGN, int(extra.get("phx_l2.read_piece_kb", 2048)) * 1024
+                         // fmt.ALIGN * fmt.ALIGN)
+        self.readers = max(1, int(extra.get("phx_l2.readers", 2)))
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
 
         self._engine = phx.Engine()
@@ -163,7 +165,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._q: queue.Queue[Any] = queue.Queue()
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-crc")
-        self._readers = ThreadPoolExecutor(4, thread_name_prefix="phx-l2-read")
+        self._readers = ThreadPoolExecutor(max(4, 2 * self.readers),
+                                           thread_name_prefix="phx-l2-read")
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="phx-l2-get")
         self._writer = threading.Thread(target=self._writer_loop, name="phx-l2-writer",
                                         daemon=True)
@@ -596,24 +599,29 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             return
         hdr = phx.empty_aligned(len(todo) * hb)
         hmv = memoryview(hdr)
-        plan: list[tuple[int, int, Any, memoryview, int]] = []   # (chunk, piece len, file, mv, off)
+        # Chunks are dealt to the readers whole: each reads its chunks' pieces in
+        # order and checksums every piece as soon as it has landed (still in cache).
+        nr = min(self.readers, len(todo))
+        plans: list[list[tuple[int, int, Any, memoryview, int]]] = [[] for _ in range(nr)]
+        piece = self.piece
         for j, i in enumerate(todo):
             e = entries[i]
             assert e is not None
+            plan = plans[j % nr]        # (chunk, piece len or -1 = header, file, mv, off)
             f, off = self._slab.locate(e.slot)
             plan.append((i, -1, f.f, hmv[j * hb:(j + 1) * hb], off))
             pay = objs[i].byte_array  # type: ignore[union-attr]  # todo: allocated objects only
-            for p0 in range(0, e.length, PIECE):
-                n = min(PIECE, e.length - p0)
+            for p0 in range(0, e.length, piece):
+                n = min(piece, e.length - p0)
                 plan.append((i, n, f.f, pay[p0:p0 + n], off + hb + p0))
         q: queue.Queue[Any] = queue.Queue()
-        self._readers.submit(self._reader, plan, q)
+        for plan in plans:
+            self._readers.submit(self._reader, plan, q)
         crc: dict[int, int] = {}
         got: dict[int, int] = {}
-        hpos = {i: j for j, i in enumerate(todo)}
         failed: dict[int, str] = {}
-        for _ in range(len(plan)):
-            (i, n, _f, mv, _off), res = q.get()
+        for _ in range(sum(len(p) for p in plans)):
+            (i, n, _f, mv, _off), res, c = q.get()
             if isinstance(res, BaseException) or (n < 0 and res != hb) or (n >= 0 and res != n):
                 failed.setdefault(i, f"read failed ({res})" if isinstance(res, BaseException)
                                   else "short read (truncated slab?)")
@@ -629,8 +637,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                     failed[i] = f"slot header does not match ({h if isinstance(h, str) else 'other entry'})"
             else:
                 got[i] = got.get(i, 0) + n
-                if self.verify:
-                    crc[i] = fmt.checksum(mv, crc.get(i, 0))
+                crc[i] = c
         for i in todo:
             e = entries[i]
             o = objs[i]
@@ -655,29 +662,40 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
 
     def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]],
                 q: queue.Queue[Any]) -> None:
+        """Submit the plan's reads (``read_window`` pieces in flight), reap them in
+        order, checksum each payload piece right away, hand results to ``q``:
+        (item, bytes or exception, running crc32c of the chunk)."""
         window: collections.deque[tuple[Any, Any]] = collections.deque()
         limit = self.window
+        crc: dict[int, int] = {}
+        verify = self.verify
         for item in plan:
             try:
                 fut: Any = item[2].pread_async(item[3], item[4])
             except BaseException as e:
                 fut = e
             window.append((item, fut))
-            if len(window) > limit:
-                self._reap(window.popleft(), q)
+            if len(window) >= limit:
+                self._reap(window.popleft(), q, crc, verify)
         while window:
-            self._reap(window.popleft(), q)
+            self._reap(window.popleft(), q, crc, verify)
 
     @staticmethod
-    def _reap(w: tuple[Any, Any], q: queue.Queue[Any]) -> None:
+    def _reap(w: tuple[Any, Any], q: queue.Queue[Any], crc: dict[int, int],
+              verify: bool) -> None:
         item, fut = w
+        i, n, _f, mv, _o = item
         if isinstance(fut, BaseException):
-            q.put((item, fut))
+            q.put((item, fut, 0))
             return
         try:
-            q.put((item, fut.result()))
+            res = fut.result()
         except BaseException as e:
-            q.put((item, e))
+            q.put((item, e, 0))
+            return
+        if verify and n >= 0 and res == n:
+            crc[i] = fmt.checksum(mv, crc.get(i, 0))
+        q.put((item, res, crc.get(i, 0)))
 
     def get_blocking(self, key: Any) -> Optional[Any]:
         return self._load([key], prefix=False)[0]
