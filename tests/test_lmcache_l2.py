@@ -217,3 +217,12 @@ def test_lru_eviction_and_pins(results: dict[str, Any], fs: str) -> None:
     assert r["run"]["present2"] == [1, 6, 7, 8, 9, 10, 11, 12]  # unpinned 0 went first
     _exact(r["run"]["check2"], r["run"]["present2"])
     _exact(r["restart"]["check"], r["run"]["present2"], [0, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("fs", FS)
+def test_two_slab_files(results: dict[str, Any], fs: str) -> None:
+    r = _sc(results, fs, "two_files")
+    assert [os.path.basename(p) for p in r["run"]["files"]] == ["a.slab", "b.slab"]
+    _exact(r["run"]["check"], range(12))
+    assert r["run"]["second"] == "SlabInUseError"
+    _exact(r["restart"]["check"], range(12))

@@ -50,6 +50,16 @@ def key(i: int) -> CacheEngineKey:
 
 
 def make(slab: str, slots: int, **extra: object) -> tuple[StorageManager, object, object]:
+    cfg = make_cfg(slab, slots, **extra)
+    md = LMCacheMetadata(model_name="phx-l2-test", world_size=1, local_world_size=1,
+                         worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
+                         kv_shape=(LAYERS, 2, TOK, HEADS, HD))
+    sm = StorageManager(cfg, md, EventManager())
+    return sm, sm.storage_backends.get("phx_l2"), sm.storage_backends["LocalCPUBackend"]
+
+
+def make_cfg(slab: str, slots: int, **extra: object) -> LMCacheEngineConfig:
+    """LMCache's configuration with the plugin (capacity: ``slots`` chunks in all)."""
     ex = {"storage_plugin.phx_l2.module_path": "phx_lmcache.l2",
           "storage_plugin.phx_l2.class_name": "PhxL2Backend",
           "phx_l2.paths": slab,
@@ -57,14 +67,11 @@ def make(slab: str, slots: int, **extra: object) -> tuple[StorageManager, object
           # 4 pieces per chunk, 2 readers: the verify pipeline's piece and reader paths
           "phx_l2.read_piece_kb": 64}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
-    cfg = LMCacheEngineConfig.from_defaults(chunk_size=TOK, local_cpu=True,
-                                            max_local_cpu_size=0.1,
-                                            storage_plugins=["phx_l2"], extra_config=ex)
-    md = LMCacheMetadata(model_name="phx-l2-test", world_size=1, local_world_size=1,
-                         worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
-                         kv_shape=(LAYERS, 2, TOK, HEADS, HD))
-    sm = StorageManager(cfg, md, EventManager())
-    return sm, sm.storage_backends.get("phx_l2"), sm.storage_backends["LocalCPUBackend"]
+    if "," in slab:
+        ex["phx_l2.capacity_gb"] = (slab.count(",") + 1) * (4096 + slots * SLOT) / (1 << 30)
+    return LMCacheEngineConfig.from_defaults(chunk_size=TOK, local_cpu=True,
+                                             max_local_cpu_size=0.1,
+                                             storage_plugins=["phx_l2"], extra_config=ex)
 
 
 def put(sm, l2, cpu, idx: list[int]) -> None:
@@ -497,11 +504,38 @@ def sc_lru(d):
     return {"run": a, "restart": b}
 
 
+def sc_two_files(d):
+    """A tier over two slab files: chunks striped over both, both locked,
+    everything back after a restart."""
+    slabs = [os.path.join(d, "a.slab"), os.path.join(d, "b.slab")]
+    idx = list(range(12))
+
+    def go(out):
+        sm, l2, cpu = make(",".join(slabs), 16)
+        put(sm, l2, cpu, idx)
+        files = sorted({l2._slab.locate(l2._index[key(i).to_string()].slot)[0].path
+                        for i in idx})
+        chk = check(sm, l2, idx)
+        from phx_lmcache.l2 import PhxL2Backend
+        try:          # the second file alone is held too
+            PhxL2Backend(config=make_cfg(slabs[1], 16), metadata=sm.metadata,
+                         local_cpu_backend=cpu, loop=sm.loop)
+            second = None
+        except OSError as e:
+            second = type(e).__name__
+        sm.close()
+        return {"files": files, "check": chk, "second": second}
+
+    a = run(go)
+    b = run(ph_check, ",".join(slabs), 16, idx)
+    return {"run": a, "restart": b}
+
+
 SCENARIOS = {
     "roundtrip": sc_roundtrip, "kill_random": sc_kill_random, "kill_header": sc_kill_header,
     "kill_reuse": sc_kill_reuse, "flip_payload": sc_flip_payload,
     "flip_header": sc_flip_header, "truncate": sc_truncate, "enospc": sc_enospc,
-    "two_servers": sc_two_servers, "lru": sc_lru,
+    "two_servers": sc_two_servers, "lru": sc_lru, "two_files": sc_two_files,
 }
 
 
