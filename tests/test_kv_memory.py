@@ -246,3 +246,74 @@ def test_guard_keeps_group1_in_memory_out_of_the_oom_killer(tmp_path):
     # really needs it)
     rc, kills, out, err = run(0, str(tmp_path / "g0"))
     assert kills >= 1 and rc != 0, (rc, kills, out, err[-500:])
+
+
+class _Rooms:
+    """A RoomReader whose room the test sets (cap 100 MiB)."""
+
+    def __init__(self):
+        self.cap = 100 * MiB
+        self.now = 50 * MiB
+        self.looks = 0
+
+    def refresh(self):
+        pass
+
+    def room(self):
+        self.looks += 1
+        return self.now
+
+
+def test_guard_ignores_one_low_look_but_not_two_or_a_deep_one(tmp_path):
+    """The guard acts on the second low look in a row (one may be a passing
+    temporary of the job), at once when the room is under half the guard, and
+    the cheap room reader (usage files only) is what it and admission read."""
+    import time
+    rng = np.random.default_rng(8)
+    st = KVStore(str(tmp_path / "g"), group1="memory", budget=1 << 40, guard=8 * MiB,
+                 guard_interval=0.02)
+    rooms = _Rooms()
+    st._rooms = rooms
+    _, ref = _fill(st, 4, rng)
+    assert st._guard_thread is not None and not st.moves
+
+    def wait_looks(n):
+        end = rooms.looks + n
+        t0 = time.monotonic()
+        while rooms.looks < end and time.monotonic() - t0 < 5:
+            time.sleep(0.005)
+
+    # one low look, then room again: nothing moves
+    rooms.now = 7 * MiB
+    wait_looks(1)
+    rooms.now = 50 * MiB
+    wait_looks(3)
+    assert not st.moves, st.moves
+    # low twice in a row: the last layer goes
+    rooms.now = 7 * MiB
+    wait_looks(3)
+    rooms.now = 50 * MiB
+    wait_looks(2)
+    assert [m[1] for m in st.moves if m[0] == "demote"][:1] == [3], st.moves
+    assert st.rebalance()["promoted"]              # room again: back to Group 1
+    n = len(st.moves)
+    # under half the guard: at the first look
+    rooms.now = 3 * MiB
+    wait_looks(1)
+    rooms.now = 50 * MiB
+    wait_looks(2)
+    assert len(st.moves) > n, st.moves
+    _check(st, ref)
+    st.destroy()
+
+
+def test_room_reader_matches_the_cgroup_reader():
+    """RoomReader (limit files once, usage files per look) gives the cgroup
+    reader's room, within what the process charged in between."""
+    from phx.kv import budget as B
+    r = B.RoomReader()
+    a, b = r.room(), B.cgroup_room()
+    if b is None:
+        assert a is None
+    else:
+        assert a is not None and abs(a - b) < 4 * MiB, (a, b)

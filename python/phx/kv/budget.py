@@ -180,6 +180,40 @@ def dirty_threshold(cg: CgroupMemory | None, mem_avail: int) -> int | None:
     return base * ratio // 100
 
 
+class RoomReader:
+    """:func:`cgroup_room`, cheaply: the capped levels (and their caps) are found
+    once, and again by :meth:`refresh`; each call then reads only their usage
+    files (``memory.usage_in_bytes`` / ``memory.current``), no ``memory.stat``.
+    The store's admission check and guard use it (~1 ms -> tens of us a look)."""
+
+    def __init__(self, pid: int | str = "self", root: str = "/sys/fs/cgroup"):
+        self._pid, self._root = pid, root
+        self._levels: list[tuple[str, int]] = []
+        self.cap: int | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Find the capped levels and their caps again (limits can change)."""
+        import os
+        cg = cgroup_memory(self._pid, self._root)
+        levels = [lv for lv in (cg.levels if cg is not None else []) if lv.capped]
+        usage = "memory.usage_in_bytes" if cg is not None and cg.version == 1 else "memory.current"
+        self._levels = [(os.path.join(lv.path, usage), lv.cap) for lv in levels]
+        self.cap = min((c for _, c in self._levels), default=None)
+
+    def room(self) -> int | None:
+        """Bytes that may still be charged before the tightest cap; None if none."""
+        best: int | None = None
+        for path, cap in self._levels:
+            try:
+                with open(path) as f:
+                    r = cap - int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            best = r if best is None else min(best, r)
+        return best
+
+
 def cgroup_room(pid: int | str = "self", root: str = "/sys/fs/cgroup") -> int | None:
     """Bytes that may still be charged before the tightest cap of this process's
     memory cgroup (its binding level's cap - usage), None where no level is capped.

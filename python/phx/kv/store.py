@@ -298,6 +298,7 @@ class KVStore:
         self._guard_bytes = guard
         self._guard_interval = float(guard_interval)
         self._guard_thread: threading.Thread | None = None
+        self._rooms: _budget.RoomReader | None = None
         self._guard_stop = threading.Event()
         self._gate = _Gate()
         #: what the guard and rebalance() moved: [(what, layer, bytes, why)]
@@ -451,18 +452,22 @@ class KVStore:
             return self._last_plan
 
     # -- Group 1 in memory: the guard, and moves between the groups -----------
+    def _room_reader(self) -> _budget.RoomReader:
+        if self._rooms is None:
+            self._rooms = _budget.RoomReader()
+        return self._rooms
+
     def guard_bytes(self) -> int:
         """The room under the tightest cap below which Group 1 in memory shrinks."""
         if self._guard_bytes is not None:
             return int(self._guard_bytes)
-        cg = cgroup_memory()
-        b = cg.binding if cg is not None else None
-        return 4 * MiB + (b.cap // 100 if b is not None else 0)
+        cap = self._room_reader().cap
+        return 4 * MiB + (cap // 100 if cap is not None else 0)
 
     def _room(self) -> int:
         """Bytes that may still be charged now: the tightest cap's room, or
         MemAvailable where no cgroup level is capped."""
-        r = _budget.cgroup_room()
+        r = self._room_reader().room()
         return _budget.mem_available() if r is None else r
 
     def _admit_group1(self, layer: int) -> None:
@@ -542,6 +547,8 @@ class KVStore:
         if self.mode != "dual":
             return out
         with self._gate.exclusive(), self._lock:
+            if self._rooms is not None:
+                self._rooms.refresh()          # a limit may have changed
             budget = self.measure_budget()
             target = budget.bytes
             pair: dict[int, int] = {}
@@ -591,7 +598,7 @@ class KVStore:
 
     def _start_guard(self) -> None:
         if self._guard_thread is not None or self._guard_interval <= 0 or \
-                self._guard_bytes == 0 or _budget.cgroup_room() is None:
+                self._guard_bytes == 0 or self._room_reader().room() is None:
             return
         self._guard_thread = threading.Thread(target=self._guard_loop, name="phx-kv-guard",
                                               daemon=True)
@@ -599,16 +606,23 @@ class KVStore:
 
     def _guard_loop(self) -> None:
         low = self.guard_bytes()
+        rooms = self._room_reader()
+        below = 0
         while not self._guard_stop.wait(self._guard_interval):
-            try:
-                room = _budget.cgroup_room()
-            except OSError:
-                continue
+            room = rooms.room()
             pc = self._pc
-            if room is not None and room < low and isinstance(pc, MemoryBackend) and \
-                    pc.allocated_bytes() > 0:
-                # free twice the shortfall: one layer at a time until there is room
-                self.shed(2 * low - room, f"guard: room {room} < {low}")
+            if room is None or room >= low or not isinstance(pc, MemoryBackend) or \
+                    pc.allocated_bytes() == 0:
+                below = 0
+                continue
+            below += 1
+            # one low look may be a passing allocation (the job's temporaries):
+            # act on the second in a row, or at once when under half the guard
+            if below < 2 and room >= low // 2:
+                continue
+            below = 0
+            # free twice the shortfall: one layer at a time until there is room
+            self.shed(2 * low - room, f"guard: room {room} < {low}")
 
     @property
     def last_plan(self) -> Plan | None:
