@@ -149,6 +149,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             if old is not None:
                 self._state[old.slot] = _DIRTY
             index[k] = _Entry(slots[j], plens[j], pcrcs[j], seqs[j], metas[i])
+        # a slot whose header was not believed still has one: tombstone it before reuse
+        self._state[np.asarray(sl.dropped_slots, dtype=np.int64)] = _DIRTY
         live = np.asarray([e.slot for e in index.values()], dtype=np.int64)
         self._state[live] = _LIVE
         self._seq = int(sl.seqs.max()) if len(sl.seqs) else 0

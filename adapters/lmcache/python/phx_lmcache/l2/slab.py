@@ -110,6 +110,7 @@ class SlabFile:
         self.metas: list[bytes] = []
         self.locals = self.seqs = self.plens = self.pcrcs = np.zeros(0, dtype=np.int64)
         self.dropped = 0
+        self.dropped_slots: list[int] = []   # a header is there, not believed: tombstone first
         self.read_s = 0.0
         if isinstance(sb, str):
             if sb.startswith("not a phx"):
@@ -207,6 +208,7 @@ class SlabFile:
 
     def _drop(self, local: int, why: str) -> None:
         self.dropped += 1
+        self.dropped_slots.append(local)
         if self.dropped <= 16:
             log.warning("phx L2: %s slot %d: %s: dropped%s", self.path, local, why,
                         " (further drops counted, not logged)" if self.dropped == 16 else "")
@@ -256,6 +258,8 @@ class SlabSet:
             f.keys, f.metas = [], []
         self.slots, self.seqs, self.plens, self.pcrcs = (
             np.concatenate(xs) for xs in (slots, seqs, plens, pcrcs))
+        self.dropped_slots = [loc * self.nfiles + f.index for f in self.files
+                              for loc in f.dropped_slots if loc < per_file]
         self.recovery_s = time.perf_counter() - t0
 
     def locate(self, slot: int) -> tuple[SlabFile, int]:
