@@ -93,7 +93,7 @@ def test_expected_backend():
     """In ``make test-seccomp``: the filter took, and phx fell back."""
     want = os.environ.get("PHX_EXPECT_BACKEND")
     if not want:
-        pytest.skip("PHX_EXPECT_BACKEND not set (make test-seccomp sets it)")
+        pytest.skip("runs in make test-seccomp (PHX_EXPECT_BACKEND is not set here)")
     eng = phx.default_engine()
     assert eng.backend == want, eng.backend_reason
     if want == "threads":

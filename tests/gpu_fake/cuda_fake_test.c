@@ -394,7 +394,12 @@ static void test_errors(phx_cuda *c, phx_engine *eng, void *s)
 {
 	unsigned char *data = make_file("e.bin", MiB);
 	size_t size = 4096;
-	int64_t foff = 0, boff = 1000000, done = 0;
+	/*
+	 * The piece [buf + 8096, buf + 12192) runs past the end of its 8 KiB
+	 * allocation.  (A far offset, 1 MB, could land inside another live
+	 * allocation of the fake's heap, and then rightly be accepted: seen.)
+	 */
+	int64_t foff = 0, boff = 8192 - 96, done = 0;
 	struct phx_cuda_io io, *p = &io;
 	uint64_t buf;
 	phx_file *f;
@@ -1720,8 +1725,13 @@ int main(int argc, char **argv)
 	test_lane_setup_failure(eng);
 	test_early_reads(eng, s1);
 	test_early_reads_switch(eng, s1);
-	/* every host function libphx queued returned at once */
-	CHECK(HostfnMax() < 20 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
+	/*
+	 * every host function libphx queued returned at once: none waits for
+	 * file I/O or another stream (that would take seconds here).  The bound
+	 * is wall time, so it leaves room for the scheduler of a loaded 2-core
+	 * box (161 ms seen once with 20 ms), not for a wait.
+	 */
+	CHECK(HostfnMax() < 500 * 1000000, "a host function ran %.1f ms", HostfnMax() / 1e6);
 out:
 	phx_engine_destroy(eng);
 	if (failures) {

@@ -35,7 +35,7 @@ DEV_MB = 64
 pytestmark = pytest.mark.skipif(
     not (os.environ.get("PHX_IVSHMEM_BDF") and shutil.which("dmsetup") and os.geteuid() == 0
          and os.path.exists("/dev/mapper/control")),
-    reason="needs the QEMU guest (device-mapper, dmsetup, root)")
+    reason="runs in the QEMU guest (needs device-mapper, dmsetup, root)")
 
 
 # no udev in the guest: libdevmapper makes the /dev/mapper nodes itself

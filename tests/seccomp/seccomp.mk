@@ -28,4 +28,4 @@ test-seccomp: $(NO_IO_URING) build $(LMCACHE_SITE)
 	cmake -S . -B build/c -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build build/c
 	cd build/c && ../seccomp/no-io-uring ctest --output-on-failure -E '.-threads$$'
-	PHX_EXPECT_BACKEND=threads $(NO_IO_URING) $(VPY) -m pytest -ra $(SECCOMP_PYTESTS)
+	PHX_EXPECT_BACKEND=threads $(NO_IO_URING) $(VPY) -m pytest -ra --timeout=900 $(SECCOMP_PYTESTS)
