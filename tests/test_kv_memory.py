@@ -140,7 +140,7 @@ def test_admission_sends_layers_to_group2_when_the_room_is_gone(tmp_path, monkey
     written, go to Group 2 as they are first touched; the data is intact."""
     rng = np.random.default_rng(4)
     st = KVStore(str(tmp_path / "a"), group1="memory", budget=1 << 40, guard=1 * MiB)
-    room = {"left": 1 * MiB + 3 * PAIR + 3 * 8192}      # 3 layers, then no room
+    room = {"left": 2 * MiB + 3 * PAIR + 3 * 8192}      # 3 layers (+ 2 x guard), then no room
 
     def fake_room():
         return room["left"] - st._pc.allocated_bytes()
@@ -191,9 +191,9 @@ _GUARD_CHILD = textwrap.dedent("""
             st.write(t, 0, a)
             ref[t.id] = hashlib.sha256(a).hexdigest()
     g1_written = sum(1 for t in st.tensors() if t.group == 1)
-    # the rest of the job grows after the plan (activations, buffers): 28 MiB
+    # the rest of the job grows after the plan (activations, buffers): 32 MiB
     grow = []
-    for _ in range(14):
+    for _ in range(16):
         b = np.empty(2 * MiB, np.uint8)
         b[:] = 1
         grow.append(b)
@@ -212,7 +212,7 @@ _GUARD_CHILD = textwrap.dedent("""
 def test_guard_keeps_group1_in_memory_out_of_the_oom_killer(tmp_path):
     """In a real memory cgroup (cap = the process + 48 MiB, swap off) a store told
     a budget far above the cap writes 48 MiB of KV, then the process grows by
-    28 MiB: Group 1 must shrink (admission, then the guard thread) instead of
+    32 MiB: Group 1 must shrink (admission, then the guard thread) instead of
     the job being OOM-killed, and every tensor reads back intact.  With the guard
     off (guard=0 and no admission check) the same child is OOM-killed."""
     if not ROOT:

@@ -472,14 +472,17 @@ class KVStore:
 
     def _admit_group1(self, layer: int) -> None:
         """Before Group 1 in memory grows by a layer: the cgroup must still have
-        room for it above the guard; if not, that layer and every later layer
+        room for it and twice the guard; if not, that layer and every later layer
         still unmaterialized go to Group 2 (a budget that was wrong shrinks Group
-        1; it never charges memory the cap does not have).  Store lock held."""
+        1; it never charges memory the cap does not have).  Twice: the guard acts
+        below one guard, so the job may grow by a guard after admission before
+        anything moves (without that band, the dev-box runs' guard moved layers in
+        most runs and the rebalance moved them back).  Store lock held."""
         grow = [t for t in self._tensors.values()
                 if t.group == PAGECACHE and not t.materialized and t.layer == layer]
         need = sum(t.extent.length for t in grow if t.extent is not None)
         room = self._room()
-        if room - need >= self.guard_bytes():
+        if room - need >= 2 * self.guard_bytes():
             return
         later = sorted((t for t in self._tensors.values()
                         if t.group == PAGECACHE and not t.materialized and t.layer >= layer),
@@ -487,7 +490,7 @@ class KVStore:
         self._rebind(later, DIRECT)
         for L in sorted({t.layer for t in later}):
             self.moves.append(("demote", L, sum(t.nbytes for t in later if t.layer == L),
-                               f"admission: room {room} < need {need} + guard"))
+                               f"admission: room {room} < need {need} + 2 x guard"))
 
     def _rebind(self, ts: list[KVTensor], group: int) -> None:
         """Move unmaterialized tensors to ``group`` (a new run there)."""
@@ -564,9 +567,9 @@ class KVStore:
                 out["demoted"].append(L)
                 cur -= pair[L]
             if not out["demoted"]:
-                # grow only above the guard too: the budget's reserve is the margin
+                # grow only with twice the guard left, as admission does
                 while g2 and cur + pair[g2[0]] <= target and \
-                        self._room() - pair[g2[0]] >= self.guard_bytes():
+                        self._room() - pair[g2[0]] >= 2 * self.guard_bytes():
                     L = g2.pop(0)
                     self._move_layers([L], PAGECACHE, f"rebalance: room for {pair[L]} "
                                                       f"under budget {target}")
