@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -698,7 +699,9 @@ def test_bench_kv_cli_in_cgroups(tmp_path, model):
            "--layers", "3", "--hidden", "512", "--heads", "8", "--prompt", "24",
            *(["--kv-heads", "2"] if model == "llama-3-8b" else []), "--gen", "6", "--caps", "0.5,1.5",
            "--repeat", "1", "--quiet", "--dir", str(tmp_path / "d"),
-           "--json", str(js), "--plot", str(png)]
+           "--json", str(js), "--plot", str(png),
+           # fio (a 256 MiB file, ~5 s) once, in the OPT case
+           *(["--no-fio"] if model == "llama-3-8b" else [])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(js.read_text())
@@ -706,6 +709,8 @@ def test_bench_kv_cli_in_cgroups(tmp_path, model):
     assert {r["config"] for r in doc["rows"]} == {"baseline", "stock-mixed", "cachepolicy",
                                                  "direct", "dual", "dual-mem"}
     assert doc["digests"]["identical"] and doc["negative_control"]["detected"]
+    assert doc["calibration"]["ideal_dev_source"] == ("fio" if model == "opt-6.7b" and
+                                                       shutil.which("fio") else "phx calibration")
     for pc in doc["per_cap"]:
         assert "ratio_decode_vs_baseline" in pc and "ratio_prefill_vs_baseline" in pc
     assert all(r["runs"] == 1 for r in doc["rows"])

@@ -214,7 +214,8 @@ def test_guard_keeps_group1_in_memory_out_of_the_oom_killer(tmp_path):
     a budget far above the cap writes 48 MiB of KV, then the process grows by
     32 MiB: Group 1 must shrink (admission, then the guard thread) instead of
     the job being OOM-killed, and every tensor reads back intact.  With the guard
-    off (guard=0 and no admission check) the same child is OOM-killed."""
+    off (guard=0: no guard thread, and admission keeps only the layer itself
+    inside the cap) the same child is OOM-killed."""
     if not ROOT:
         pytest.skip("memory cgroups need root")
     from phx.bench._kv_cgroup import MemCgroup, can_create
