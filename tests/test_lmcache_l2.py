@@ -165,6 +165,8 @@ def test_bit_flip_in_payload(results: dict[str, Any], fs: str) -> None:
     _exact(r["restart"]["second"], [0, 1, 3, 4, 6, 7], [2, 5])     # flipped while running
     assert r["restart"]["stats"]["checksum_failures"] == 2
     _exact(r["again"]["check"], [0, 1, 3, 4, 6, 7], [2, 5])
+    _exact(r["two_readers"]["check"], [0, 1, 3, 4, 6], [2, 5, 7])   # readers: 2
+    assert r["two_readers"]["stats"]["checksum_failures"] == 1
     assert "payload checksum mismatch" in results["_log"]
 
 

@@ -64,8 +64,9 @@ def make_cfg(slab: str, slots: int, **extra: object) -> LMCacheEngineConfig:
           "storage_plugin.phx_l2.class_name": "PhxL2Backend",
           "phx_l2.paths": slab,
           "phx_l2.capacity_gb": (4096 + slots * SLOT) / (1 << 30),
-          # 4 pieces per chunk, 2 readers: the verify pipeline's piece and reader paths
-          "phx_l2.read_piece_kb": 64}
+          # 4 pieces per chunk, 2 in flight: the verify pipeline's piece and window
+          # paths (one reader, the default; sc_flip_payload also runs two)
+          "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
     if "," in slab:
         ex["phx_l2.capacity_gb"] = (slab.count(",") + 1) * (4096 + slots * SLOT) / (1 << 30)
@@ -340,7 +341,9 @@ def sc_flip_payload(d):
 
     b = run(live)
     c = run(ph_check, slab, 16, idx)
-    return {"restart": b, "again": c}
+    flip(slab, a["offsets"]["7"] + 4096 + 3 * CHUNK // 4 + 5)      # in its last piece
+    two = run(ph_check, slab, 16, idx, {"readers": 2})             # two reader threads
+    return {"restart": b, "again": c, "two_readers": two}
 
 
 def sc_flip_header(d):

@@ -47,6 +47,20 @@ class _Entry:
         return self._m
 
 
+class _Results:
+    """What a reader hands over when it runs in the calling thread: a list."""
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+
+    def get(self) -> Any:
+        return self.items.popleft()
+
+
 class _Put:
     __slots__ = ("ks", "key", "obj", "nbytes", "slot", "crc", "paid", "ok", "tomb", "seq",
                  "meta")
@@ -117,10 +131,13 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self.max_queued = int(float(extra.get("phx_l2.max_queued_gb", 1)) * GiB)
         self.verify = _as_bool(extra.get("phx_l2.verify", True))
         self.fsync = _as_bool(extra.get("phx_l2.fsync", False))
-        self.window = max(1, int(extra.get("phx_l2.read_window", 2)))   # pieces in flight
+        # One reader with 16 pieces of 2 MiB in flight beat two readers with 2 each
+        # (zram, 16 MiB chunks, alternated 3 times on the loaded dev box: 1.74/2.19/1.43
+        # vs 1.25/1.54/1.40 GB/s): two threads submitting to one engine contend.
+        self.window = max(1, int(extra.get("phx_l2.read_window", 16)))   # pieces in flight
         self.piece = max(fmt.ALIGN, int(extra.get("phx_l2.read_piece_kb", 2048)) * 1024
                          // fmt.ALIGN * fmt.ALIGN)
-        self.readers = max(1, int(extra.get("phx_l2.readers", 2)))
+        self.readers = max(1, int(extra.get("phx_l2.readers", 1)))
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
 
         self._engine = phx.Engine()
@@ -616,9 +633,15 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             for p0 in range(0, e.length, piece):
                 n = min(piece, e.length - p0)
                 plan.append((i, n, f.f, pay[p0:p0 + n], off + hb + p0))
-        q: queue.Queue[Any] = queue.Queue()
-        for plan in plans:
-            self._readers.submit(self._reader, plan, q)
+        q: Any
+        if nr == 1:
+            # one reader: this thread reads and checksums itself (no hand-over)
+            q = _Results()
+            self._reader(plans[0], q)
+        else:
+            q = queue.Queue()
+            for plan in plans:
+                self._readers.submit(self._reader, plan, q)
         crc: dict[int, int] = {}
         got: dict[int, int] = {}
         failed: dict[int, str] = {}
@@ -662,8 +685,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 o.metadata.cached_positions = torch.tensor(m["p"], dtype=torch.long)
             self.counters["get_bytes"] += e.length
 
-    def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]],
-                q: queue.Queue[Any]) -> None:
+    def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]], q: Any) -> None:
         """Submit the plan's reads (``read_window`` pieces in flight), reap them in
         order, checksum each payload piece right away, hand results to ``q``:
         (item, bytes or exception, running crc32c of the chunk)."""
@@ -683,8 +705,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             self._reap(window.popleft(), q, crc, verify)
 
     @staticmethod
-    def _reap(w: tuple[Any, Any], q: queue.Queue[Any], crc: dict[int, int],
-              verify: bool) -> None:
+    def _reap(w: tuple[Any, Any], q: Any, crc: dict[int, int], verify: bool) -> None:
         item, fut = w
         i, n, _f, mv, _o = item
         if isinstance(fut, BaseException):
