@@ -370,18 +370,8 @@ static int threads_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_
 			op_run_here(eng, c);
 			continue;
 		}
-		if (deadline < 0) {
-			pthread_cond_wait(&eng->cond, &eng->lock);
-		} else {
-			int64_t left = deadline - phx_now_ns();
-
-			if (left <= 0) {
-				ret = -ETIME;
-				break;
-			}
-			phx_cond_wait_ns(&eng->cond, &eng->lock, left);
-		}
-		if (!io)
+		ret = phx_cond_wait_until(&eng->cond, &eng->lock, deadline);
+		if (ret || !io)
 			break;
 	}
 	if (ret == -ETIME && io && io_is_done(io))

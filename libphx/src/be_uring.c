@@ -436,18 +436,8 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 		if (u->reaping) {
 			if (!block)
 				break;
-			if (deadline < 0) {
-				pthread_cond_wait(&eng->cond, &eng->lock);
-			} else {
-				int64_t left = deadline - phx_now_ns();
-
-				if (left <= 0) {
-					ret = -ETIME;
-					break;
-				}
-				phx_cond_wait_ns(&eng->cond, &eng->lock, left);
-			}
-			if (!io)
+			ret = phx_cond_wait_until(&eng->cond, &eng->lock, deadline);
+			if (ret || !io)
 				break;
 			continue;
 		}

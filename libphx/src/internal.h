@@ -9,6 +9,7 @@
 #ifndef PHX_INTERNAL_H
 #define PHX_INTERNAL_H
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -373,6 +374,26 @@ static inline void phx_cond_wait_ns(pthread_cond_t *cond, pthread_mutex_t *lock,
 		ts.tv_nsec -= 1000000000;
 	}
 	pthread_cond_timedwait(cond, lock, &ts);
+}
+
+/*
+ * Sleep on @cond until signalled or @deadline_ns (phx_now_ns(); < 0: none);
+ * -ETIME, without sleeping, once the deadline has passed.
+ */
+static inline int phx_cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *lock,
+				      int64_t deadline_ns)
+{
+	int64_t left;
+
+	if (deadline_ns < 0) {
+		pthread_cond_wait(cond, lock);
+		return 0;
+	}
+	left = deadline_ns - phx_now_ns();
+	if (left <= 0)
+		return -ETIME;
+	phx_cond_wait_ns(cond, lock, left);
+	return 0;
 }
 
 static inline uint64_t align_down(uint64_t x, uint64_t a)
