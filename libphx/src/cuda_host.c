@@ -222,38 +222,40 @@ CU_EXPORT int phx_cuda_stream_after(phx_cuda_stream *s, void *producer)
 	return ret;
 }
 
-CU_EXPORT int phx_cuda_stream_h2d(phx_cuda_stream *s, uint64_t dst, const void *src, size_t len)
+/* One async copy on the stream in either direction: the two exported calls
+ * differ only in which driver entry point moves the bytes. */
+static int stream_copy(phx_cuda_stream *s, int to_device, uint64_t dev, void *host,
+		       size_t len, const char *who)
 {
 	CUresult r;
 	int ret;
 
-	if (!s || (!src && len))
-		return cu_err(-EINVAL, "phx_cuda_stream_h2d: NULL argument");
+	if (!s || (!host && len))
+		return cu_err(-EINVAL, "%s: NULL argument", who);
 	if (!len)
 		return 0;
 	ret = push(s);
 	if (ret)
 		return ret;
-	r = s->d->MemcpyHtoDAsync(dst, src, len, s->stream);
+	if (to_device)
+		r = s->d->MemcpyHtoDAsync(dev, host, len, s->stream);
+	else
+		r = s->d->MemcpyDtoHAsync(host, dev, len, s->stream);
 	primary_pop(s->d);
-	return r == CUDA_SUCCESS ? 0 : cu_fail(s->d, r, "cuMemcpyHtoDAsync");
+	if (r == CUDA_SUCCESS)
+		return 0;
+	return cu_fail(s->d, r, to_device ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync");
+}
+
+CU_EXPORT int phx_cuda_stream_h2d(phx_cuda_stream *s, uint64_t dst, const void *src, size_t len)
+{
+	/* the driver's HtoD takes a const source; nothing writes through it */
+	return stream_copy(s, 1, dst, (void *)src, len, "phx_cuda_stream_h2d");
 }
 
 CU_EXPORT int phx_cuda_stream_d2h(phx_cuda_stream *s, void *dst, uint64_t src, size_t len)
 {
-	CUresult r;
-	int ret;
-
-	if (!s || (!dst && len))
-		return cu_err(-EINVAL, "phx_cuda_stream_d2h: NULL argument");
-	if (!len)
-		return 0;
-	ret = push(s);
-	if (ret)
-		return ret;
-	r = s->d->MemcpyDtoHAsync(dst, src, len, s->stream);
-	primary_pop(s->d);
-	return r == CUDA_SUCCESS ? 0 : cu_fail(s->d, r, "cuMemcpyDtoHAsync");
+	return stream_copy(s, 0, src, dst, len, "phx_cuda_stream_d2h");
 }
 
 CU_EXPORT int phx_cuda_stream_sync(phx_cuda_stream *s)

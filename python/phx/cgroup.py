@@ -63,7 +63,9 @@ def parse_memory_stat(text: str) -> dict[str, int]:
     return out
 
 
-def _read(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """A small kernel file's text (cgroup control, /proc), stripped; None where
+    it cannot be read (absent controller, no permission)."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -73,7 +75,7 @@ def _read(path: str) -> str | None:
 
 def _read_int(path: str) -> int | None:
     """An integer control file; "max" is :data:`UNLIMITED`; None if absent."""
-    s = _read(path)
+    s = read_text(path)
     if s is None:
         return None
     if s == "max":
@@ -196,7 +198,7 @@ def hierarchy(root: str = ROOT) -> tuple[int, str] | None:
     """(version, mount) of the hierarchy that holds the memory controller here
     (v2 where a unified mount lists it, else v1's ``memory``), None without one."""
     for m in (root, os.path.join(root, "unified")):
-        ctl = _read(os.path.join(m, "cgroup.controllers"))
+        ctl = read_text(os.path.join(m, "cgroup.controllers"))
         if ctl is not None and "memory" in ctl.split():
             return 2, m
     v1 = os.path.join(root, "memory")
@@ -212,13 +214,13 @@ def level(path: str, version: int) -> CgroupLevel | None:
 
 def stat(path: str) -> dict[str, int]:
     """A cgroup directory's ``memory.stat``."""
-    return parse_memory_stat(_read(os.path.join(path, "memory.stat")) or "")
+    return parse_memory_stat(read_text(os.path.join(path, "memory.stat")) or "")
 
 
 def oom_kills(path: str, version: int) -> int:
     """OOM kills inside the cgroup at ``path`` (v1 ``memory.oom_control``, v2
     ``memory.events``)."""
-    s = _read(os.path.join(path, "memory.oom_control" if version == 1 else "memory.events"))
+    s = read_text(os.path.join(path, "memory.oom_control" if version == 1 else "memory.events"))
     for line in (s or "").splitlines():
         k, _, v = line.partition(" ")
         if k == "oom_kill":
@@ -239,7 +241,7 @@ def _level(version: int, d: str) -> CgroupLevel | None:
         peak = _read_int(os.path.join(d, "memory.peak"))
     if limit is None or usage is None:
         return None
-    st = parse_memory_stat(_read(os.path.join(d, "memory.stat")) or "")
+    st = parse_memory_stat(read_text(os.path.join(d, "memory.stat")) or "")
     i = 0 if version == 1 else 1
     fig = {k: st.get(names[i], st.get(names[1], 0)) for k, names in _STAT.items()}
     return CgroupLevel(d, limit, usage, high=UNLIMITED if high is None else high,
@@ -253,7 +255,7 @@ def _mounts(root: str, paths: dict[str, str]) -> list[tuple[int, str, str]]:
         out.append((1, os.path.join(root, "memory"), paths["v1"]))
     if "v2" in paths:
         for m in (root, os.path.join(root, "unified")):
-            ctl = _read(os.path.join(m, "cgroup.controllers"))
+            ctl = read_text(os.path.join(m, "cgroup.controllers"))
             if ctl is not None and "memory" in ctl.split():
                 out.append((2, m, paths["v2"]))
     return out
@@ -268,7 +270,7 @@ def memory(pid: int | str = "self", root: str = ROOT,
     Returns None where no memory controller is mounted.
     """
     if proc_cgroup is None:
-        proc_cgroup = _read(f"/proc/{pid}/cgroup") or ""
+        proc_cgroup = read_text(f"/proc/{pid}/cgroup") or ""
     for version, mount, rel in _mounts(root, parse_proc_cgroup(proc_cgroup)):
         rel = rel.strip("/")
         own = os.path.join(mount, rel) if rel else mount
@@ -284,7 +286,7 @@ def memory(pid: int | str = "self", root: str = ROOT,
                 break
             parent = os.path.dirname(d)
             # v1 without use_hierarchy: the parent does not count this subtree
-            if version == 1 and _read(os.path.join(parent, "memory.use_hierarchy")) == "0":
+            if version == 1 and read_text(os.path.join(parent, "memory.use_hierarchy")) == "0":
                 break
             d = parent
         return CgroupMemory(version, own, levels, mount)

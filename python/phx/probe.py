@@ -14,21 +14,14 @@ import tempfile
 from typing import Any
 
 import phx
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+from phx.cgroup import read_text
 
 
 def _io_uring() -> dict[str, Any]:
     try:
         eng = phx.Engine(queue_depth=4, backend="uring")
     except OSError as e:
-        disabled = _read("/proc/sys/kernel/io_uring_disabled")
+        disabled = read_text("/proc/sys/kernel/io_uring_disabled")
         why = str(e)
         if disabled and disabled != "0":
             why += f" (sysctl kernel.io_uring_disabled = {disabled})"
@@ -157,9 +150,9 @@ def _module() -> dict[str, Any]:
     ok, why = devmem.available()
     if ok:
         return {"loaded": True, "reason": why + ": device memory can take the direct path"}
-    if _read("/proc/sys/kernel/modules_disabled") == "1":
+    if read_text("/proc/sys/kernel/modules_disabled") == "1":
         why += "; kernel.modules_disabled = 1 here, so no module can be loaded"
-    elif "nomodule" in (_read("/proc/cmdline") or "").split():
+    elif "nomodule" in (read_text("/proc/cmdline") or "").split():
         why += "; this kernel was booted with 'nomodule'"
     return {"loaded": False, "reason": why + "; GPU data goes through pinned bounce buffers"}
 
