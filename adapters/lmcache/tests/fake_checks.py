@@ -234,12 +234,10 @@ def check_early_reads():
         deregister(dst)
 
 
-def check_second_device_writes_void_early_reads():
-    """Two devices in one process (FAKE_CUDA_DEVICES=2), early reads on for both:
-    device 0's reads, queued behind a busy stream, read early; device 1 then
-    rewrites their range through its own context before device 0's stream gets
-    there.  libphx's per-inode write log sees a write from any context, so the
-    early bytes are thrown away and the reads return device 1's data."""
+def _two_devices(name):
+    """Contexts on devices 0 and 1 (FAKE_CUDA_DEVICES=2), a slab written from
+    device 0 and its reads shown to go early when device 0 is alone: the
+    starting point of the two-device early-read checks."""
     if os.environ.get("FAKE_CUDA_DEVICES", "1") == "1":
         raise Skip("needs FAKE_CUDA_DEVICES=2")
     ctxs = []
@@ -247,15 +245,24 @@ def check_second_device_writes_void_early_reads():
         c = ctypes.c_void_p()
         assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0
         ctxs.append(c)
-    n = 4 * MiB + 5
-    data = random(n)
-    h = slab("two", 8 * MiB)
+    data = random(4 * MiB + 5)
+    h = slab(name, 8 * MiB)
     assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
     dst, s = alloc(3 * MiB), stream()
     register(dst, 3 * MiB)
     buf = written(h, data, 0, s)
     assert _queued_reads(h, dst, data, s, 4) >= 2, "device 0 alone: no early reads"
     assert cuda.cuCtxPopCurrent_v2(None) == 0
+    return ctxs, data, h, dst, s, buf
+
+
+def check_second_device_writes_void_early_reads():
+    """Two devices in one process (FAKE_CUDA_DEVICES=2), early reads on for both:
+    device 0's reads, queued behind a busy stream, read early; device 1 then
+    rewrites their range through its own context before device 0's stream gets
+    there.  libphx's per-inode write log sees a write from any context, so the
+    early bytes are thrown away and the reads return device 1's data."""
+    ctxs, data, h, dst, s, buf = _two_devices("two")
     assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0          # device 1 has a context now
     buf1 = written(h, data[: MiB], 0, stream())
     assert cuda.cuCtxPopCurrent_v2(None) == 0
@@ -293,22 +300,7 @@ def check_second_device_pending_write_blocks_early_reads():
     was read early to void), and the reads, arriving after the write, return
     device 1's bytes.  A log per context would start them early, on the old
     bytes (the change-time check would then void them: early_misses)."""
-    if os.environ.get("FAKE_CUDA_DEVICES", "1") == "1":
-        raise Skip("needs FAKE_CUDA_DEVICES=2")
-    ctxs = []
-    for d in (0, 1):
-        c = ctypes.c_void_p()
-        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0
-        ctxs.append(c)
-    n = 4 * MiB + 5
-    data = random(n)
-    h = slab("pending", 8 * MiB)
-    assert cuda.cuCtxPushCurrent_v2(ctxs[0]) == 0
-    dst, s0 = alloc(3 * MiB), stream()
-    register(dst, 3 * MiB)
-    buf = written(h, data, 0, s0)
-    assert _queued_reads(h, dst, data, s0, 4) >= 2, "device 0 alone: no early reads"
-    assert cuda.cuCtxPopCurrent_v2(None) == 0
+    ctxs, data, h, dst, s0, buf = _two_devices("pending")
     # device 1: the rewrite, pending behind a busy stream
     assert cuda.cuCtxPushCurrent_v2(ctxs[1]) == 0
     new = random(2 * MiB)
