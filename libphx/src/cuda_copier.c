@@ -186,6 +186,7 @@ static void copy_end(phx_cuda *c, struct cu_sbuf *b, CUresult r)
 	struct cu_piece pieces[CU_MAX_PIECES];
 	uint32_t i, n = b->npieces;
 
+	stat_add(c, &c->st.ph_copy_ns, (uint64_t)(phx_now_ns() - b->copy_ns));
 	if (r != CUDA_SUCCESS)
 		for (i = 0; i < n; i++)
 			rq_fail(b->pieces[i].rq, cu_fail(c->d, r, "copies between staging and the GPU"));

@@ -240,6 +240,9 @@ struct cu_sbuf {
 	CUevent ev;			/* recorded after the copies */
 	int copied;			/* set by the copier stream's host function */
 	int64_t started_ns;
+	/* phase counters (struct phx_cuda_stats ph_*): when its file I/O was
+	 * submitted, when it was queued for the copier (host-async only) */
+	int64_t io_ns, copy_ns;
 	struct cu_piece pieces[CU_MAX_PIECES];
 };
 
@@ -598,5 +601,15 @@ struct phx_cuda {
 
 /* cuda_api.c: publish @c's counters for `phx top` (best effort). */
 void cu_stats_publish(phx_cuda *c);
+/*
+ * cuda_api.c, for cuda_many.c: queue host-async requests (stops at the
+ * first bad one; those before stay queued), and one stream op whose
+ * arguments are read on arrival and whose phx_cuda_io libphx owns.
+ */
+int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
+		   bool ordered, void *after_stream);
+int cu_async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
+		   const size_t *size, const int64_t *foff, const int64_t *boff,
+		   int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg);
 
 #endif /* PHX_CUDA_INTERNAL_H */

@@ -178,11 +178,13 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 	phx_cuda *c = ln->c;
 	struct cu_sbuf *b = free_buf(ln);
 	struct cu_req *cut[CU_MAX_PIECES];
+	int64_t t0;
 	uint32_t ncut, i;
 	bool got;
 
 	if (!b)
 		return NULL;
+	t0 = phx_now_ns();
 	for (;;) {
 		pthread_mutex_lock(&c->lock);
 		b->live = 0;
@@ -206,6 +208,8 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 	}
 	stat_add(c, &c->st.staging_fills, 1);
 	stat_add(c, &c->st.chunks, b->npieces);
+	/* packing: only a filled buffer's time counts (an idle look is not work) */
+	stat_add(c, &c->st.ph_pack_ns, (uint64_t)(phx_now_ns() - t0));
 	return b;
 }
 
@@ -274,9 +278,13 @@ static void pieces_start_io(struct cu_lane *ln, struct cu_sbuf *b, struct cu_pie
 	if (!stream) {
 		b->state = SB_IO;
 		b->ios_left = k;
+		b->io_ns = phx_now_ns();
 	}
 	if (k) {
+		int64_t t0 = phx_now_ns();
+
 		ret = phx_submit(ln->eng, ios, k);
+		stat_add(ln->c, &ln->c->st.ph_submit_ns, (uint64_t)(phx_now_ns() - t0));
 		if (ret) {
 			for (i = 0; i < k; i++) {
 				struct cu_piece *p = (struct cu_piece *)((char *)ios[i] -
@@ -414,6 +422,9 @@ static void piece_io_done(struct cu_lane *ln, struct cu_piece *p)
 static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	uint32_t i;
+
+	stat_add(ln->c, &ln->c->st.ph_io_ns, (uint64_t)(phx_now_ns() - b->io_ns));
+	stat_add(ln->c, &ln->c->st.ph_buffers, 1);
 
 	if (b->op == PHX_OP_READ) {
 		host_read_done(ln, b);
