@@ -93,16 +93,19 @@ static void queue_host(phx_cuda *c, struct cu_req **rqs, size_t n)
  * (its error is returned; the ones before it stay queued).
  */
 int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
-		   bool ordered, void *after_stream)
+		   bool ordered, void *after_stream, struct cu_group *grp,
+		   size_t *accepted)
 {
 	struct cu_req *batch[QUEUE_BATCH];
 	struct cu_after *after = NULL;
 	struct cu_file *cf = NULL;
 	uint64_t range[2] = { 0, 0 };
 	int64_t t0 = phx_now_ns();
-	size_t i, k = 0;
+	size_t i = 0, k = 0;
 	int ret;
 
+	if (accepted)
+		*accepted = 0;
 	if (!c || (!ios && n))
 		return cu_err(-EINVAL, "phx_cuda_submit: NULL argument");
 	if (!n)
@@ -120,7 +123,7 @@ int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
 	for (i = 0; i < n; i++) {
 		struct cu_req *rq;
 
-		ret = rq_host(c, ios[i], after, range, &cf, &rq);
+		ret = rq_host(c, ios[i], after, grp, range, &cf, &rq);
 		if (ret)
 			break;
 		if (rq)
@@ -135,19 +138,21 @@ int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
 		cf_put(c, cf);
 	after_put(c, after);
 	ctx_pop(c);
+	if (accepted)
+		*accepted = i;	/* rq_host refuses before it accepts anything */
 	stat_add(c, &c->st.ph_call_ns, (uint64_t)(phx_now_ns() - t0));
 	return ret;
 }
 
 CU_EXPORT int phx_cuda_submit(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n)
 {
-	return cu_submit_host(c, ios, n, false, NULL);
+	return cu_submit_host(c, ios, n, false, NULL, NULL, NULL);
 }
 
 CU_EXPORT int phx_cuda_submit_after(phx_cuda *c, struct phx_cuda_io *const *ios,
 				    size_t n, void *stream)
 {
-	return cu_submit_host(c, ios, n, true, stream);
+	return cu_submit_host(c, ios, n, true, stream, NULL, NULL);
 }
 
 CU_EXPORT int phx_cuda_eventfd(phx_cuda *c)
@@ -200,7 +205,7 @@ CU_EXPORT int phx_cuda_submit_wait(phx_cuda *c, struct phx_cuda_io *ios, size_t 
 		return cu_err(-EINVAL, "phx_cuda_submit_wait: NULL argument");
 	for (i = 0; i < n && !ret; i++) {
 		one = &ios[i];
-		ret = cu_submit_host(c, &one, 1, false, NULL);
+		ret = cu_submit_host(c, &one, 1, false, NULL, NULL, NULL);
 		if (!ret)
 			queued++;
 	}
@@ -218,7 +223,7 @@ static int64_t sync_io(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t devptr
 	if (!c)
 		return cu_err(-EINVAL, "NULL context");
 	phx_cuda_io_prep(&io, f, op, devptr, len, off);
-	ret = cu_submit_host(c, &p, 1, false, NULL);
+	ret = cu_submit_host(c, &p, 1, false, NULL, NULL, NULL);
 	if (ret)
 		return ret;
 	phx_cuda_wait(c, &io, -1);

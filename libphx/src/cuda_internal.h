@@ -349,9 +349,19 @@ enum rq_trace_point {
 	TR_QUEUED, TR_ARRIVED, TR_READY, TR_FINAL, TR_RELEASE, RQ_TRACE_N
 };
 
+/*
+ * Requests one caller waits for all at once (phx_cuda_many): their
+ * completions wake that caller only when the last is done, instead of once
+ * each (c->done_lock).
+ */
+struct cu_group {
+	size_t left;			/* requests of the group not yet complete */
+};
+
 struct cu_req {
 	struct cu_req *next;		/* ready queue / free list (c->lock) */
 	phx_cuda *c;
+	struct cu_group *grp;		/* host-async: its group, or NULL */
 	struct phx_cuda_io *io;		/* the caller's, or owned */
 	struct cu_file *cf;
 	struct cu_after *after;
@@ -415,7 +425,8 @@ void cf_put(phx_cuda *c, struct cu_file *cf);
 int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
 /* Birth */
 int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
-	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out);
+	    struct cu_group *grp, uint64_t range[2], struct cu_file **cfp,
+	    struct cu_req **out);
 struct cu_req *rq_new(phx_cuda *c);
 void rq_set_range(struct cu_req *rq, uint64_t devptr, uint64_t off, uint64_t len);
 void rq_live_inc(phx_cuda *c);
@@ -603,11 +614,13 @@ struct phx_cuda {
 void cu_stats_publish(phx_cuda *c);
 /*
  * cuda_api.c, for cuda_many.c: queue host-async requests (stops at the
- * first bad one; those before stay queued), and one stream op whose
+ * first bad one; those before stay queued: *@accepted, when not NULL, says
+ * how many; @grp, when not NULL, is their group), and one stream op whose
  * arguments are read on arrival and whose phx_cuda_io libphx owns.
  */
 int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
-		   bool ordered, void *after_stream);
+		   bool ordered, void *after_stream, struct cu_group *grp,
+		   size_t *accepted);
 int cu_async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
 		   const size_t *size, const int64_t *foff, const int64_t *boff,
 		   int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg);

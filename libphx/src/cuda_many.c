@@ -139,11 +139,26 @@ static int64_t many_total(const struct phx_cuda_io *ios, size_t n, int64_t *resu
 	return first_err ? first_err : sum;
 }
 
+/*
+ * Wait for a group's requests: the @never not accepted (a refusal mid-way)
+ * leave the group first; the others wake this thread once, with the last
+ * of them.
+ */
+static void many_wait(phx_cuda *c, struct cu_group *grp, size_t never)
+{
+	pthread_mutex_lock(&c->done_lock);
+	grp->left -= never;
+	while (grp->left)
+		pthread_cond_wait(&c->done_cond, &c->done_lock);
+	pthread_mutex_unlock(&c->done_lock);
+}
+
 CU_EXPORT int64_t phx_cuda_many(phx_cuda *c, const struct phx_cuda_many *m)
 {
 	struct phx_cuda_io *ios, **ptrs;
+	struct cu_group grp;
 	int64_t t0 = phx_now_ns(), total;
-	size_t i;
+	size_t i, accepted;
 	int ret;
 
 	if (!c)
@@ -172,15 +187,13 @@ CU_EXPORT int64_t phx_cuda_many(phx_cuda *c, const struct phx_cuda_many *m)
 	stat_add(c, &c->st.many_pieces, m->n);
 	/* the building is the call's time too; cu_submit_host counts its own */
 	stat_add(c, &c->st.ph_call_ns, (uint64_t)(phx_now_ns() - t0));
-	ret = cu_submit_host(c, ptrs, m->n, m->flags & PHX_CUDA_MANY_AFTER, m->stream);
-	for (i = 0; i < m->n; i++)
-		phx_cuda_wait(c, &ios[i], -1);
-	if (ret) {
-		/* the refused piece and those after it were never queued */
-		for (i = 0; i < m->n; i++)
-			if (ios[i].result == -ECANCELED)
-				ios[i].result = ret;
-	}
+	grp.left = m->n;
+	ret = cu_submit_host(c, ptrs, m->n, m->flags & PHX_CUDA_MANY_AFTER, m->stream, &grp,
+			     &accepted);
+	many_wait(c, &grp, m->n - accepted);
+	/* the refused piece and those after it were never queued */
+	for (i = accepted; i < m->n; i++)
+		ios[i].result = ret;
 	total = many_total(ios, m->n, m->results);
 	free(ptrs);
 	free(ios);

@@ -206,6 +206,42 @@ static void test_checks(phx_cuda *c, phx_engine *eng)
 	MemFree(buf);
 }
 
+/*
+ * A piece the request checks refuse mid-way (GPU bytes past the real
+ * allocation, though inside the dev_len the caller claimed): the pieces
+ * before it are read, it and those after it carry the error, and the call
+ * returns (the group's waiter is not left waiting for pieces never queued).
+ */
+static void test_refused_midway(phx_cuda *c, phx_engine *eng)
+{
+	enum { N = 40 };
+	int64_t fo[N], dof[N], len[N], res[N], total;
+	unsigned char *data = make_file("midway.bin", 1 * MiB);
+	uint64_t buf;
+	phx_file *f;
+	size_t i, good = 0, refused = 0;
+
+	CHECK(phx_file_open(eng, path_of("midway.bin"), O_RDONLY, 0, 0, &f) == 0, "open");
+	MemAlloc(&buf, 20 * 4096);
+	for (i = 0; i < N; i++) {
+		fo[i] = (int64_t)(i * 5000 + 3);
+		dof[i] = (int64_t)(i * 4096);
+		len[i] = 4096;
+	}
+	total = phx_cuda_pread_many(c, f, buf, N * 4096, fo, dof, len, N, res);
+	for (i = 0; i < N; i++) {
+		if (i < 20 && res[i] == 4096 && !memcmp(dev(buf) + dof[i], data + fo[i], 4096))
+			good++;
+		if (i >= 20 && res[i] < 0)
+			refused++;
+	}
+	CHECK(total < 0, "refused mid-way: %" PRId64, total);
+	CHECK(good == 20 && refused == 20, "%zu read, %zu refused", good, refused);
+	phx_file_close(f);
+	MemFree(buf);
+	free(data);
+}
+
 /* Thousands of small random reads: exact bytes, packed buffers, counters. */
 static void test_reads(phx_cuda *c, phx_engine *eng, size_t n, uint64_t maxlen)
 {
@@ -464,6 +500,7 @@ int main(int argc, char **argv)
 	}
 	StreamCreate(&s, 1);
 	test_checks(c, eng);
+	test_refused_midway(c, eng);
 	test_reads(c, eng, 3000, 16 * KiB);
 	test_reads(c, eng, 1000, 64 * KiB);
 	test_writes(c, eng, 1500);
