@@ -84,6 +84,7 @@ def test_small_chunk_goals_and_phase_shares():
     assert bench._goals_for(dict(row, op="write")) == [("host", 0.8)]
     assert bench._goals_for(dict(row, chunk=256 << 10)) == bench.GOALS[("chunks", "zram")]
     sh = bench.phase_shares({"call": 1, "pack": 1, "submit": 2, "io": 4, "copy": 0})
-    assert sh == {"call": 0.125, "pack": 0.125, "submit": 0.25, "io": 0.5, "copy": 0.0}
+    assert sh == {"call": 0.125, "pack": 0.125, "submit": 0.25, "io": 0.5, "copy": 0.0,
+                  "done": 0.0}
     assert bench._phase_text({"phase_shares": sh}).startswith("io ")
     assert bench.phase_shares({}) == {k: 0.0 for k in bench.PHASES}

@@ -124,7 +124,8 @@ PY_MANY = textwrap.dedent(r"""
             assert int((h != 0).sum()) == int(lens.sum())   # nothing but the pieces
             assert st1["many_pieces"] - st0["many_pieces"] == len(fo)
             assert st1["staging_fills"] - st0["staging_fills"] < len(fo) // 4, (st0, st1)
-            for k in ("ph_call_ns", "ph_pack_ns", "ph_submit_ns", "ph_io_ns", "ph_copy_ns"):
+            for k in ("ph_call_ns", "ph_pack_ns", "ph_submit_ns", "ph_io_ns", "ph_copy_ns",
+                      "ph_done_ns"):
                 assert st1[k] > st0[k], k
         # File.pread_many routes GPU memory here (one nbytes for all, packed back to back)
         buf = Dev(300 * 8192)

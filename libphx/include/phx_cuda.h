@@ -534,6 +534,9 @@ struct phx_cuda_stats {
 	 *            last file I/O completed (the device wait)
 	 *   copy     host-async buffers from being queued for the copier
 	 *            until their copies were done (queueing + copy engine)
+	 *   done     completing host-async pieces: each request's result,
+	 *            counters, record and wake-up (the copier's or a lane's
+	 *            thread; see ph_done_ns below)
 	 */
 	uint64_t ph_call_ns;
 	uint64_t ph_pack_ns;
@@ -543,7 +546,8 @@ struct phx_cuda_stats {
 	uint64_t ph_buffers;		/* host-async buffers timed (io and copy) */
 	uint64_t many_calls;		/* phx_cuda_many* calls */
 	uint64_t many_pieces;		/* their pieces */
-	uint64_t reserved3[8];
+	uint64_t ph_done_ns;
+	uint64_t reserved3[7];
 };
 
 /*

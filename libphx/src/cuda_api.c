@@ -379,7 +379,7 @@ static const struct stat_field cuda_stat_fields[] = {
 	CS(stream_queue_ns), CS(stream_data_ns), CS(stream_gpu_ns), CS(queue_waits),
 	CS(early_refused), CS(bad_marks), CS(bad_refusals), CS(orphans), CS(broken),
 	CS(ph_call_ns), CS(ph_pack_ns), CS(ph_submit_ns), CS(ph_io_ns), CS(ph_copy_ns),
-	CS(ph_buffers), CS(many_calls), CS(many_pieces),
+	CS(ph_buffers), CS(many_calls), CS(many_pieces), CS(ph_done_ns),
 };
 #undef CS
 

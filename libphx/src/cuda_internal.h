@@ -58,6 +58,14 @@
 #define CU_SLOTS 4096u		/* stream operations in flight per context */
 #define CU_RING 8u		/* copy descriptors per stream op, reused round after round */
 #define CU_COPY_STREAMS 4u	/* the copier's streams */
+/*
+ * A host-async read buffer of more pieces than this is completed by its
+ * lane, not by the copier: completing a piece (result, counters, record,
+ * wake-up) costs a few locks, and thousands of small pieces a second would
+ * make the one copier thread the bound; a buffer of a few large pieces
+ * keeps the shorter way (no hand-over).
+ */
+#define CU_DONE_ON_LANE 8u
 
 /* ------------------------------------------------------------------------ */
 /* Floor 0: the driver API, declared by hand (cuda_driver.c)                */

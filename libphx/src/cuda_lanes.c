@@ -376,13 +376,17 @@ static void buf_finish(struct cu_lane *ln, struct cu_sbuf *b)
 
 	/* the pieces first: the buffer may be refilled the moment it is free */
 	memcpy(pieces, b->pieces, n * sizeof(pieces[0]));
+	int64_t t0;
+
 	pthread_mutex_lock(&c->lock);
 	b->npieces = 0;
 	b->state = SB_FREE;
 	cls_drop_locked(c, b);
 	pthread_mutex_unlock(&c->lock);
+	t0 = phx_now_ns();
 	for (i = 0; i < n; i++)
 		rq_piece_done(&pieces[i]);
+	stat_add(c, &c->st.ph_done_ns, (uint64_t)(phx_now_ns() - t0));
 }
 
 /* Host-async reads: judge the pieces, then the copier takes the bytes to the GPU. */
@@ -459,8 +463,10 @@ static void buf_start(struct cu_lane *ln, struct cu_sbuf *b)
 
 /*
  * Buffers the other threads handed back: host-async writes whose bytes are
- * in staging now (the whole buffer), and stream rounds' pieces marked
- * P_BACK (a write whose kernel ran, an early read that must be read again).
+ * in staging now (the whole buffer), host-async reads of many pieces whose
+ * copies are done (their completions: CU_DONE_ON_LANE), and stream rounds'
+ * pieces marked P_BACK (a write whose kernel ran, an early read that must
+ * be read again).
  */
 static bool lane_inbox(struct cu_lane *ln)
 {
@@ -492,6 +498,8 @@ static bool lane_inbox(struct cu_lane *ln)
 		pthread_mutex_unlock(&c->lock);
 		if (b->state == SB_STREAM)
 			pieces_start_io(ln, b, ps, n);
+		else if (b->op == PHX_OP_READ)
+			buf_finish(ln, b);
 		else
 			buf_start_io(ln, b);
 	}

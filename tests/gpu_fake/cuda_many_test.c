@@ -283,7 +283,8 @@ static void test_reads(phx_cuda *c, phx_engine *eng, size_t n, uint64_t maxlen)
 	/* every phase was seen */
 	CHECK(st1.ph_call_ns > st0.ph_call_ns && st1.ph_pack_ns > st0.ph_pack_ns &&
 	      st1.ph_submit_ns > st0.ph_submit_ns && st1.ph_io_ns > st0.ph_io_ns &&
-	      st1.ph_copy_ns > st0.ph_copy_ns && st1.ph_buffers > st0.ph_buffers,
+	      st1.ph_copy_ns > st0.ph_copy_ns && st1.ph_buffers > st0.ph_buffers &&
+	      st1.ph_done_ns > st0.ph_done_ns,
 	      "phase counters: call %" PRIu64 " pack %" PRIu64 " submit %" PRIu64 " io %" PRIu64
 	      " copy %" PRIu64 " buffers %" PRIu64, st1.ph_call_ns - st0.ph_call_ns,
 	      st1.ph_pack_ns - st0.ph_pack_ns, st1.ph_submit_ns - st0.ph_submit_ns,

@@ -92,6 +92,7 @@ cdef extern from "phx_cuda.h" nogil:
         uint64_t ph_buffers
         uint64_t many_calls
         uint64_t many_pieces
+        uint64_t ph_done_ns
 
     # PHX_0.8: many small pieces of one file and one GPU buffer (issue 29)
     enum:

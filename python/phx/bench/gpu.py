@@ -16,7 +16,7 @@ follows another's writes), ``--repeat`` times (median and spread reported):
                    ``pread_many`` / ``pwrite_many`` call (int64 arrays, no
                    Python object per piece).  Chunks rows also record where
                    phx's time went (the context's ``ph_*`` counters: call,
-                   pack, submit, io, copy) as shares, in the table's last
+                   pack, submit, io, copy, done) as shares, in the table's last
                    column and the JSON.
 * ``host``         the same pieces into page-locked host memory through phx's
                    engine (``File.pread_many`` / ``pwrite_many``), no GPU: the
@@ -356,7 +356,7 @@ def _phx_engine(ctx_cfg: dict, devices: tuple[int, ...] = ()):
 
 
 #: the phase counters of struct phx_cuda_stats (issue 29), in pipeline order
-PHASES = ("call", "pack", "submit", "io", "copy")
+PHASES = ("call", "pack", "submit", "io", "copy", "done")
 #: (pattern name, op) -> the phase counters' growth over phx's rows, summed
 _PHASE_NS: dict[tuple[str, str], dict[str, int]] = {}
 _PHASE_LOCK = threading.Lock()
@@ -779,7 +779,7 @@ def _report(results: list[dict], size: int, args, ctx_info: dict, st: dict,
     if ctx_info:
         print("phx staging: " + ", ".join(f"{k}={v}" for k, v in ctx_info.items()))
     print(fmt_table(["device", "pattern", "op", "method", "config", "GB/s", "spread",
-                     "CPU s/GB", "phx/x", "phx time: top call/pack/submit/io/copy"], table))
+                     "CPU s/GB", "phx/x", "phx time: top call/pack/submit/io/copy/done"], table))
     goals = []
     for r in results:
         if r["method"] != "phx":
