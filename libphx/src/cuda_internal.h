@@ -7,6 +7,8 @@
  * the queues of floor 1 and wake each other with its wakers.
  *
  *   5  cuda_api.c      the public request calls and counters
+ *      cuda_many.c     many small pieces by arrays (PHX_0.8), on cuda_api.c's
+ *                      host-async and stream-op doors
  *   4  cuda_context.c  contexts: configuration, pinned memory, threads,
  *                      destroy
  *   3  cuda_lanes.c    I/O lanes: file I/O into and out of staging (io_uring);
