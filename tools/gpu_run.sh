@@ -30,7 +30,7 @@ tests() {
 	log tests
 	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
 		--timeout 120 --timeout-method=thread tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py \
-		tests/test_gpu_small.py 2>&1 |
+		tests/test_gpu_small.py tests/test_gpu_many.py 2>&1 |
 		tee -a "$LOG" | tail -40
 }
 

@@ -557,7 +557,8 @@ def _methods(args, have_kvikio: bool, op: str, pattern: str) -> list[tuple[str, 
         rows.append(("phx", dict(cfg, api="pread_many" if pattern == "chunks" else "pread"),
                      lambda p, pat, g: phx_io(p, pat, g, w, cfg)))
     if "host" in methods and pattern == "chunks":
-        rows.append(("host", {"memory": "pinned", "api": "File.p%s_many" % op[0]},
+        rows.append(("host", {"memory": "pinned",
+                              "api": "File.pwrite_many" if w else "File.pread_many"},
                      lambda p, pat, g: phx_host_io(p, pat, w, cfg)))
     if "raw" in methods:
         for n in [int(x) for x in args.raw_threads.split(",")]:
