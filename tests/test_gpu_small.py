@@ -6,7 +6,9 @@ memory is host memory, so every byte is compared with the file).
   plain and under AddressSanitizer: argument checks that queue nothing,
   thousands of random unaligned pieces (exact bytes, packed buffers, every
   phase counter seen), writes, stream-ordered pieces behind a busy stream,
-  and an injected bad range (-EIO, no GPU byte of a failed piece written);
+  an injected bad range (-EIO, no GPU byte of a failed piece written) and
+  injected copy errors (the fake refusing copies to some GPU places), with
+  and without cuMemcpyBatchAsync;
 * the Python layer (``phx.gpu.pread_many`` / ``pwrite_many`` /
   ``read_many_async`` / ``write_many_async``, ``File.pread_many`` with a GPU
   buffer, :mod:`phx.blocks`): the same properties, threads that never touched
@@ -57,9 +59,13 @@ def many_build(tmp_path_factory, fake_libcuda):
     return d
 
 
-@pytest.mark.parametrize("exe", ["many", "many_asan"])
-def test_c_many_against_fake_cuda(many_build, fake_libcuda, tmp_path, exe):
+@pytest.mark.parametrize("exe,batch", [("many", True), ("many", False), ("many_asan", True)])
+def test_c_many_against_fake_cuda(many_build, fake_libcuda, tmp_path, exe, batch):
+    """cuda_many_test.c; without cuMemcpyBatchAsync (FAKE_CUDA_NO_BATCH) the
+    copies go one per piece, and an injected copy error hits single calls."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(fake_libcuda))
+    if not batch:
+        env["FAKE_CUDA_NO_BATCH"] = "1"
     r = subprocess.run([str(many_build / exe), str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
