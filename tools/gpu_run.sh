@@ -3,7 +3,8 @@
 # benchmarks there, in one call of the device tool.  Logs and JSON go to $OUT.
 #
 #   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks small probe
-#   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, SMALL_BYTES, TEST_TIMEOUT size the steps)
+#   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, SMALL_FILE, SMALL_BYTES, SMALL_TIMEOUT, TEST_TIMEOUT
+#   size the steps)
 #
 # Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
 # liburing-dev and liburing2 .debs: the box has no liburing headers) and
@@ -83,7 +84,10 @@ chunks() {
 
 small() {	# issue 29: 4-64 KiB pieces, phx vs its host row (the device's rate) vs KvikIO
 	log small-chunks bench
-	timeout 580 python3 -m phx bench gpu --pattern chunks --size ${CHUNK_FILE:-2G} \
+	# 5 sizes x read/write x 4 rows x 5 repeats x disk and zram: ~400 rows;
+	# with a build in the same call the device's 600 s may run out: then
+	# `build` in one call and `small` alone in the next (the box stays warm)
+	timeout ${SMALL_TIMEOUT:-500} python3 -m phx bench gpu --pattern chunks --size ${SMALL_FILE:-1G} \
 		--chunk-sizes 4K,8K,16K,32K,64K --chunk-bytes ${SMALL_BYTES:-128M} --repeat 5 \
 		--methods phx,host,kvikio --kvikio-threads 16,64 --dir $BENCHDIR --zram 8G --quiet \
 		--json "$OUT/small.json" --plot "$OUT/small.png" 2>&1 | tee -a "$LOG" | tail -90
