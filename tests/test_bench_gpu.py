@@ -73,3 +73,18 @@ def test_fan_out_single_item_runs_here_and_errors_come_out():
         bench.fan_out(lambda i: done.append(i), [(7,), (8,)],
                       bind=lambda i: (_ for _ in ()).throw(RuntimeError("no such device")))
     assert 7 not in done and 8 not in done, "items ran after their binding failed"
+
+
+def test_small_chunk_goals_and_phase_shares():
+    """Issue 29: pieces of 64 KiB and less are judged against the host row and
+    KvikIO; larger chunks keep issue 10's goals; phase shares sum to 1."""
+    row = {"pattern": "chunks 16K", "chunk": 16 << 10, "device": "zram", "op": "read"}
+    assert bench._goals_for(row) == [("host", 0.8), ("kvikio", 3.0)]
+    assert bench._goals_for(dict(row, device="disk")) == [("host", 0.9), ("kvikio", 1.5)]
+    assert bench._goals_for(dict(row, op="write")) == [("host", 0.8)]
+    assert bench._goals_for(dict(row, chunk=256 << 10)) == bench.GOALS[("chunks", "zram")]
+    sh = bench.phase_shares({"call": 1, "pack": 1, "submit": 2, "io": 4, "copy": 0})
+    assert sh == {"call": 0.125, "pack": 0.125, "submit": 0.25, "io": 0.5, "copy": 0.0,
+                  "done": 0.0}
+    assert bench._phase_text({"phase_shares": sh}).startswith("io ")
+    assert bench.phase_shares({}) == {k: 0.0 for k in bench.PHASES}

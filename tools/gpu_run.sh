@@ -2,8 +2,9 @@
 # tools/gpu_run.sh - build phx on the H200 box and run the GPU tests and
 # benchmarks there, in one call of the device tool.  Logs and JSON go to $OUT.
 #
-#   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks probe
-#   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, TEST_TIMEOUT size the steps)
+#   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks small probe
+#   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, SMALL_FILE, SMALL_BYTES, SMALL_TIMEOUT, TEST_TIMEOUT
+#   size the steps)
 #
 # Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
 # liburing-dev and liburing2 .debs: the box has no liburing headers) and
@@ -29,7 +30,8 @@ build() {
 tests() {
 	log tests
 	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
-		--timeout 120 --timeout-method=thread tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py 2>&1 |
+		--timeout 120 --timeout-method=thread tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py \
+		tests/test_gpu_small.py tests/test_gpu_many.py 2>&1 |
 		tee -a "$LOG" | tail -40
 }
 
@@ -80,6 +82,17 @@ chunks() {
 		--json "$OUT/chunks.json" --plot "$OUT/chunks.png" 2>&1 | tee -a "$LOG" | tail -90
 }
 
+small() {	# issue 29: 4-64 KiB pieces, phx vs its host row (the device's rate) vs KvikIO
+	log small-chunks bench
+	# 5 sizes x read/write x 4 rows x 5 repeats x disk and zram: ~400 rows;
+	# with a build in the same call the device's 600 s may run out: then
+	# `build` in one call and `small` alone in the next (the box stays warm)
+	timeout ${SMALL_TIMEOUT:-500} python3 -m phx bench gpu --pattern chunks --size ${SMALL_FILE:-1G} \
+		--chunk-sizes 4K,8K,16K,32K,64K --chunk-bytes ${SMALL_BYTES:-128M} --repeat 5 \
+		--methods phx,host,kvikio --kvikio-threads 16,64 --dir $BENCHDIR --zram 8G --quiet \
+		--json "$OUT/small.json" --plot "$OUT/small.png" 2>&1 | tee -a "$LOG" | tail -90
+}
+
 probe() {	# stream-ordered ops timed one by one (tools/stream_probe.py), zram then disk
 	# (PHX_CUDA_EARLY_READS=1 bash tools/gpu_run.sh build probe: the same with early reads)
 	log probe
@@ -102,6 +115,7 @@ for step in "$@"; do
 	smoke) smoke ;;
 	seq) seq ;;
 	chunks) chunks ;;
+	small) small ;;
 	probe) probe ;;
 	*) echo "unknown step $step"; exit 2 ;;
 	esac

@@ -340,6 +340,77 @@ int phx_cuda_submit_async(phx_cuda *cu, const struct phx_cuda_async *a);
 const char *phx_cuda_memops_why(const phx_cuda *cu);
 
 /* ------------------------------------------------------------------------ */
+/* Many small pieces of one file and one GPU buffer (PHX_0.8)               */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Issue 29: KV cache blocks of 8-64 KiB, thousands per call.  Piece i moves
+ * lens[i] bytes between file offset file_offsets[i] and GPU address devptr +
+ * dev_offsets[i]; three arrays, no struct per piece.  Inside, the pieces are
+ * requests like any other: packed many to a staging buffer, one io_uring
+ * submission and one copy call per buffer (unverified on a real GPU).
+ *
+ * Checked before anything is queued (-EINVAL, the piece named in
+ * phx_cuda_strerror_last()): n > 0 needs the three arrays; no value may be
+ * negative; every piece must lie inside [devptr, devptr + dev_len); and no
+ * two pieces may overlap where the outcome would depend on their order:
+ * GPU ranges for reads (two reads into one place), file ranges for writes
+ * (two writes to one place).  Empty pieces are allowed (result 0).
+ */
+struct phx_cuda_many {
+	uint32_t size;			/* sizeof(struct phx_cuda_many) */
+	uint32_t op;			/* PHX_OP_READ / PHX_OP_WRITE */
+	phx_file *file;
+	uint64_t devptr;		/* the GPU buffer (CUdeviceptr) ... */
+	uint64_t dev_len;		/* ... and its length in bytes */
+	size_t n;			/* pieces */
+	const int64_t *file_offsets;	/* n each; copied by the call */
+	const int64_t *dev_offsets;
+	const int64_t *lens;
+	int64_t *results;		/* n: bytes (short at end of file) or -errno */
+	void *stream;			/* CUstream; see each call */
+	uint32_t flags;			/* PHX_CUDA_MANY_* */
+	uint32_t reserved32;
+	uint64_t reserved[4];
+};
+
+enum {
+	/* phx_cuda_many(): the copies follow the work queued on ->stream (submit_after) */
+	PHX_CUDA_MANY_AFTER = 1u << 0,
+};
+
+/* Only the checks above: 0 or -EINVAL (no context, no CUDA needed). */
+int phx_cuda_many_check(const struct phx_cuda_many *m);
+
+/*
+ * Synchronous: returns once every piece is complete.  The sum of the
+ * pieces' bytes, or the error of the first piece (by index) that failed;
+ * ->results (may be NULL here) has each piece's.  A failed piece's result
+ * is never a byte count: its destination may hold some of its bytes (a
+ * read) or its file range is bad (a write; see phx_cuda_submit_stream()).
+ */
+int64_t phx_cuda_many(phx_cuda *cu, const struct phx_cuda_many *m);
+
+/*
+ * Stream-ordered on ->stream, with phx_cuda_submit_stream()'s semantics
+ * per piece, pieces in index order; unlike phx_cuda_read_async() the
+ * offsets and lengths are copied now (only ->results is written later).
+ * ->results is required: each is -EINPROGRESS until the stream has passed
+ * its piece, and must stay valid until then.  0 once all are queued; on an
+ * error the pieces before the one refused stay queued, and the results of
+ * it and of those after it are that error.
+ */
+int phx_cuda_many_async(phx_cuda *cu, const struct phx_cuda_many *m);
+
+/* phx_cuda_many() without the struct: @results may be NULL. */
+int64_t phx_cuda_pread_many(phx_cuda *cu, phx_file *f, uint64_t devptr, uint64_t dev_len,
+			    const int64_t *file_offsets, const int64_t *dev_offsets,
+			    const int64_t *lens, size_t n, int64_t *results);
+int64_t phx_cuda_pwrite_many(phx_cuda *cu, phx_file *f, uint64_t devptr, uint64_t dev_len,
+			     const int64_t *file_offsets, const int64_t *dev_offsets,
+			     const int64_t *lens, size_t n, int64_t *results);
+
+/* ------------------------------------------------------------------------ */
 /* Pinned host memory and copy streams (PHX_0.7)                            */
 /* ------------------------------------------------------------------------ */
 
@@ -447,7 +518,36 @@ struct phx_cuda_stats {
 	uint64_t bad_refusals;		/* reads refused: their range's last write failed */
 	uint64_t orphans;		/* stream ops whose GPU work could only be partly queued */
 	uint64_t broken;		/* stream ops ended by a dead context (sticky CUDA error) */
-	uint64_t reserved2[6];
+	/*
+	 * ---- PHX_0.8: where a batch of small pieces spends its time ----
+	 * Always on (two clock reads per staging buffer and phase).  The
+	 * lanes' and copier's sums are buffer-nanoseconds: buffers overlap
+	 * in time, so compare the phases with each other (the largest
+	 * bounds the rate), not with wall time.
+	 *   call     callers inside the submission calls (checks, records,
+	 *            queueing; phx_cuda_many* and the host-async calls)
+	 *   pack     lanes cutting pieces into staging buffers (under the
+	 *            context's lock)
+	 *   submit   lanes handing a buffer's SQEs to io_uring (RAM-speed
+	 *            devices complete the I/O inside this call)
+	 *   io       host-async buffers from their submission until their
+	 *            last file I/O completed (the device wait)
+	 *   copy     host-async buffers from being queued for the copier
+	 *            until their copies were done (queueing + copy engine)
+	 *   done     completing host-async pieces: each request's result,
+	 *            counters, record and wake-up (the copier's or a lane's
+	 *            thread; see ph_done_ns below)
+	 */
+	uint64_t ph_call_ns;
+	uint64_t ph_pack_ns;
+	uint64_t ph_submit_ns;
+	uint64_t ph_io_ns;
+	uint64_t ph_copy_ns;
+	uint64_t ph_buffers;		/* host-async buffers timed (io and copy) */
+	uint64_t many_calls;		/* phx_cuda_many* calls */
+	uint64_t many_pieces;		/* their pieces */
+	uint64_t ph_done_ns;
+	uint64_t reserved3[7];
 };
 
 /*

@@ -92,16 +92,20 @@ static void queue_host(phx_cuda *c, struct cu_req **rqs, size_t n)
  * @after_stream at the time of the call.  Stops at the first bad request
  * (its error is returned; the ones before it stay queued).
  */
-static int submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
-		       bool ordered, void *after_stream)
+int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
+		   bool ordered, void *after_stream, struct cu_group *grp,
+		   size_t *accepted)
 {
 	struct cu_req *batch[QUEUE_BATCH];
 	struct cu_after *after = NULL;
 	struct cu_file *cf = NULL;
 	uint64_t range[2] = { 0, 0 };
-	size_t i, k = 0;
+	int64_t t0 = phx_now_ns();
+	size_t i = 0, k = 0;
 	int ret;
 
+	if (accepted)
+		*accepted = 0;
 	if (!c || (!ios && n))
 		return cu_err(-EINVAL, "phx_cuda_submit: NULL argument");
 	if (!n)
@@ -119,7 +123,7 @@ static int submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
 	for (i = 0; i < n; i++) {
 		struct cu_req *rq;
 
-		ret = rq_host(c, ios[i], after, range, &cf, &rq);
+		ret = rq_host(c, ios[i], after, grp, range, &cf, &rq);
 		if (ret)
 			break;
 		if (rq)
@@ -134,18 +138,21 @@ static int submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
 		cf_put(c, cf);
 	after_put(c, after);
 	ctx_pop(c);
+	if (accepted)
+		*accepted = i;	/* rq_host refuses before it accepts anything */
+	stat_add(c, &c->st.ph_call_ns, (uint64_t)(phx_now_ns() - t0));
 	return ret;
 }
 
 CU_EXPORT int phx_cuda_submit(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n)
 {
-	return submit_host(c, ios, n, false, NULL);
+	return cu_submit_host(c, ios, n, false, NULL, NULL, NULL);
 }
 
 CU_EXPORT int phx_cuda_submit_after(phx_cuda *c, struct phx_cuda_io *const *ios,
 				    size_t n, void *stream)
 {
-	return submit_host(c, ios, n, true, stream);
+	return cu_submit_host(c, ios, n, true, stream, NULL, NULL);
 }
 
 CU_EXPORT int phx_cuda_eventfd(phx_cuda *c)
@@ -198,7 +205,7 @@ CU_EXPORT int phx_cuda_submit_wait(phx_cuda *c, struct phx_cuda_io *ios, size_t 
 		return cu_err(-EINVAL, "phx_cuda_submit_wait: NULL argument");
 	for (i = 0; i < n && !ret; i++) {
 		one = &ios[i];
-		ret = submit_host(c, &one, 1, false, NULL);
+		ret = cu_submit_host(c, &one, 1, false, NULL, NULL, NULL);
 		if (!ret)
 			queued++;
 	}
@@ -216,7 +223,7 @@ static int64_t sync_io(phx_cuda *c, phx_file *f, enum phx_op op, uint64_t devptr
 	if (!c)
 		return cu_err(-EINVAL, "NULL context");
 	phx_cuda_io_prep(&io, f, op, devptr, len, off);
-	ret = submit_host(c, &p, 1, false, NULL);
+	ret = cu_submit_host(c, &p, 1, false, NULL, NULL, NULL);
 	if (ret)
 		return ret;
 	phx_cuda_wait(c, &io, -1);
@@ -247,9 +254,9 @@ CU_EXPORT int phx_cuda_submit_stream(phx_cuda *c, struct phx_cuda_io *io, void *
 			 (CUstream)stream, NULL, NULL);
 }
 
-static int async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
-		       const size_t *size, const int64_t *foff, const int64_t *boff,
-		       int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg)
+int cu_async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
+		   const size_t *size, const int64_t *foff, const int64_t *boff,
+		   int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg)
 {
 	struct phx_cuda_io *io;
 	int ret;
@@ -274,7 +281,7 @@ CU_EXPORT int phx_cuda_read_async(phx_cuda *c, phx_file *f, uint64_t devptr_base
 				  const int64_t *buf_offset, int64_t *bytes_done,
 				  void *stream)
 {
-	return async_owned(c, f, PHX_OP_READ, devptr_base, size, file_offset, buf_offset,
+	return cu_async_owned(c, f, PHX_OP_READ, devptr_base, size, file_offset, buf_offset,
 			   bytes_done, stream, NULL, NULL);
 }
 
@@ -283,7 +290,7 @@ CU_EXPORT int phx_cuda_write_async(phx_cuda *c, phx_file *f, uint64_t devptr_bas
 				   const int64_t *buf_offset, int64_t *bytes_done,
 				   void *stream)
 {
-	return async_owned(c, f, PHX_OP_WRITE, devptr_base, size, file_offset, buf_offset,
+	return cu_async_owned(c, f, PHX_OP_WRITE, devptr_base, size, file_offset, buf_offset,
 			   bytes_done, stream, NULL, NULL);
 }
 
@@ -295,7 +302,7 @@ CU_EXPORT int phx_cuda_submit_async(phx_cuda *c, const struct phx_cuda_async *a)
 		return cu_err(-EINVAL, "phx_cuda_submit_async: struct size %u is too small", a->size);
 	if (a->op != PHX_OP_READ && a->op != PHX_OP_WRITE)
 		return cu_err(-EINVAL, "unknown op %u", a->op);
-	return async_owned(c, a->file, a->op, a->devptr_base, a->nbytes, a->file_offset,
+	return cu_async_owned(c, a->file, a->op, a->devptr_base, a->nbytes, a->file_offset,
 			   a->buf_offset, a->bytes_done, a->stream, a->done, a->done_arg);
 }
 
@@ -371,6 +378,8 @@ static const struct stat_field cuda_stat_fields[] = {
 	CS(pinned_bytes), CS(early_reads), CS(early_misses), CS(stream_released),
 	CS(stream_queue_ns), CS(stream_data_ns), CS(stream_gpu_ns), CS(queue_waits),
 	CS(early_refused), CS(bad_marks), CS(bad_refusals), CS(orphans), CS(broken),
+	CS(ph_call_ns), CS(ph_pack_ns), CS(ph_submit_ns), CS(ph_io_ns), CS(ph_copy_ns),
+	CS(ph_buffers), CS(many_calls), CS(many_pieces), CS(ph_done_ns),
 };
 #undef CS
 

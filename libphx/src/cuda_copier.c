@@ -186,12 +186,16 @@ static void copy_end(phx_cuda *c, struct cu_sbuf *b, CUresult r)
 	struct cu_piece pieces[CU_MAX_PIECES];
 	uint32_t i, n = b->npieces;
 
+	stat_add(c, &c->st.ph_copy_ns, (uint64_t)(phx_now_ns() - b->copy_ns));
+	int64_t t0;
+
 	if (r != CUDA_SUCCESS)
 		for (i = 0; i < n; i++)
 			rq_fail(b->pieces[i].rq, cu_fail(c->d, r, "copies between staging and the GPU"));
-	if (b->op == PHX_OP_WRITE) {
+	if (b->op == PHX_OP_WRITE || n > CU_DONE_ON_LANE) {
+		/* a write's file I/O, or many pieces' completions, are the lane's */
 		pthread_mutex_lock(&c->lock);
-		lane_give_back_locked(c, b);	/* the file write is the lane's */
+		lane_give_back_locked(c, b);
 		pthread_mutex_unlock(&c->lock);
 		return;
 	}
@@ -202,8 +206,10 @@ static void copy_end(phx_cuda *c, struct cu_sbuf *b, CUresult r)
 	cls_drop_locked(c, b);
 	pthread_mutex_unlock(&c->lock);
 	waker_kick(b->ln->efd);
+	t0 = phx_now_ns();
 	for (i = 0; i < n; i++)
 		rq_piece_done(&pieces[i]);
+	stat_add(c, &c->st.ph_done_ns, (uint64_t)(phx_now_ns() - t0));
 }
 
 struct copier {

@@ -7,6 +7,8 @@
  * the queues of floor 1 and wake each other with its wakers.
  *
  *   5  cuda_api.c      the public request calls and counters
+ *      cuda_many.c     many small pieces by arrays (PHX_0.8), on cuda_api.c's
+ *                      host-async and stream-op doors
  *   4  cuda_context.c  contexts: configuration, pinned memory, threads,
  *                      destroy
  *   3  cuda_lanes.c    I/O lanes: file I/O into and out of staging (io_uring);
@@ -58,6 +60,14 @@
 #define CU_SLOTS 4096u		/* stream operations in flight per context */
 #define CU_RING 8u		/* copy descriptors per stream op, reused round after round */
 #define CU_COPY_STREAMS 4u	/* the copier's streams */
+/*
+ * A host-async read buffer of more pieces than this is completed by its
+ * lane, not by the copier: completing a piece (result, counters, record,
+ * wake-up) costs a few locks, and thousands of small pieces a second would
+ * make the one copier thread the bound; a buffer of a few large pieces
+ * keeps the shorter way (no hand-over).
+ */
+#define CU_DONE_ON_LANE 8u
 
 /* ------------------------------------------------------------------------ */
 /* Floor 0: the driver API, declared by hand (cuda_driver.c)                */
@@ -240,6 +250,9 @@ struct cu_sbuf {
 	CUevent ev;			/* recorded after the copies */
 	int copied;			/* set by the copier stream's host function */
 	int64_t started_ns;
+	/* phase counters (struct phx_cuda_stats ph_*): when its file I/O was
+	 * submitted, when it was queued for the copier (host-async only) */
+	int64_t io_ns, copy_ns;
 	struct cu_piece pieces[CU_MAX_PIECES];
 };
 
@@ -346,9 +359,19 @@ enum rq_trace_point {
 	TR_QUEUED, TR_ARRIVED, TR_READY, TR_FINAL, TR_RELEASE, RQ_TRACE_N
 };
 
+/*
+ * Requests one caller waits for all at once (phx_cuda_many): their
+ * completions wake that caller only when the last is done, instead of once
+ * each (c->done_lock).
+ */
+struct cu_group {
+	size_t left;			/* requests of the group not yet complete */
+};
+
 struct cu_req {
 	struct cu_req *next;		/* ready queue / free list (c->lock) */
 	phx_cuda *c;
+	struct cu_group *grp;		/* host-async: its group, or NULL */
 	struct phx_cuda_io *io;		/* the caller's, or owned */
 	struct cu_file *cf;
 	struct cu_after *after;
@@ -412,7 +435,8 @@ void cf_put(phx_cuda *c, struct cu_file *cf);
 int cu_check_devptr(phx_cuda *c, uint64_t p, size_t len, uint64_t range[2]);
 /* Birth */
 int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
-	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out);
+	    struct cu_group *grp, uint64_t range[2], struct cu_file **cfp,
+	    struct cu_req **out);
 struct cu_req *rq_new(phx_cuda *c);
 void rq_set_range(struct cu_req *rq, uint64_t devptr, uint64_t off, uint64_t len);
 void rq_live_inc(phx_cuda *c);
@@ -598,5 +622,17 @@ struct phx_cuda {
 
 /* cuda_api.c: publish @c's counters for `phx top` (best effort). */
 void cu_stats_publish(phx_cuda *c);
+/*
+ * cuda_api.c, for cuda_many.c: queue host-async requests (stops at the
+ * first bad one; those before stay queued: *@accepted, when not NULL, says
+ * how many; @grp, when not NULL, is their group), and one stream op whose
+ * arguments are read on arrival and whose phx_cuda_io libphx owns.
+ */
+int cu_submit_host(phx_cuda *c, struct phx_cuda_io *const *ios, size_t n,
+		   bool ordered, void *after_stream, struct cu_group *grp,
+		   size_t *accepted);
+int cu_async_owned(phx_cuda *c, phx_file *f, uint32_t op, uint64_t base,
+		   const size_t *size, const int64_t *foff, const int64_t *boff,
+		   int64_t *bytes_done, void *stream, phx_cuda_done_fn fn, void *arg);
 
 #endif /* PHX_CUDA_INTERNAL_H */

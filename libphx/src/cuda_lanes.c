@@ -178,11 +178,13 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 	phx_cuda *c = ln->c;
 	struct cu_sbuf *b = free_buf(ln);
 	struct cu_req *cut[CU_MAX_PIECES];
+	int64_t t0;
 	uint32_t ncut, i;
 	bool got;
 
 	if (!b)
 		return NULL;
+	t0 = phx_now_ns();
 	for (;;) {
 		pthread_mutex_lock(&c->lock);
 		b->live = 0;
@@ -206,6 +208,8 @@ static struct cu_sbuf *lane_fill(struct cu_lane *ln)
 	}
 	stat_add(c, &c->st.staging_fills, 1);
 	stat_add(c, &c->st.chunks, b->npieces);
+	/* packing: only a filled buffer's time counts (an idle look is not work) */
+	stat_add(c, &c->st.ph_pack_ns, (uint64_t)(phx_now_ns() - t0));
 	return b;
 }
 
@@ -274,9 +278,13 @@ static void pieces_start_io(struct cu_lane *ln, struct cu_sbuf *b, struct cu_pie
 	if (!stream) {
 		b->state = SB_IO;
 		b->ios_left = k;
+		b->io_ns = phx_now_ns();
 	}
 	if (k) {
+		int64_t t0 = phx_now_ns();
+
 		ret = phx_submit(ln->eng, ios, k);
+		stat_add(ln->c, &ln->c->st.ph_submit_ns, (uint64_t)(phx_now_ns() - t0));
 		if (ret) {
 			for (i = 0; i < k; i++) {
 				struct cu_piece *p = (struct cu_piece *)((char *)ios[i] -
@@ -368,13 +376,17 @@ static void buf_finish(struct cu_lane *ln, struct cu_sbuf *b)
 
 	/* the pieces first: the buffer may be refilled the moment it is free */
 	memcpy(pieces, b->pieces, n * sizeof(pieces[0]));
+	int64_t t0;
+
 	pthread_mutex_lock(&c->lock);
 	b->npieces = 0;
 	b->state = SB_FREE;
 	cls_drop_locked(c, b);
 	pthread_mutex_unlock(&c->lock);
+	t0 = phx_now_ns();
 	for (i = 0; i < n; i++)
 		rq_piece_done(&pieces[i]);
+	stat_add(c, &c->st.ph_done_ns, (uint64_t)(phx_now_ns() - t0));
 }
 
 /* Host-async reads: judge the pieces, then the copier takes the bytes to the GPU. */
@@ -415,6 +427,9 @@ static void buf_io_done(struct cu_lane *ln, struct cu_sbuf *b)
 {
 	uint32_t i;
 
+	stat_add(ln->c, &ln->c->st.ph_io_ns, (uint64_t)(phx_now_ns() - b->io_ns));
+	stat_add(ln->c, &ln->c->st.ph_buffers, 1);
+
 	if (b->op == PHX_OP_READ) {
 		host_read_done(ln, b);
 		return;
@@ -448,8 +463,10 @@ static void buf_start(struct cu_lane *ln, struct cu_sbuf *b)
 
 /*
  * Buffers the other threads handed back: host-async writes whose bytes are
- * in staging now (the whole buffer), and stream rounds' pieces marked
- * P_BACK (a write whose kernel ran, an early read that must be read again).
+ * in staging now (the whole buffer), host-async reads of many pieces whose
+ * copies are done (their completions: CU_DONE_ON_LANE), and stream rounds'
+ * pieces marked P_BACK (a write whose kernel ran, an early read that must
+ * be read again).
  */
 static bool lane_inbox(struct cu_lane *ln)
 {
@@ -481,6 +498,8 @@ static bool lane_inbox(struct cu_lane *ln)
 		pthread_mutex_unlock(&c->lock);
 		if (b->state == SB_STREAM)
 			pieces_start_io(ln, b, ps, n);
+		else if (b->op == PHX_OP_READ)
+			buf_finish(ln, b);
 		else
 			buf_start_io(ln, b);
 	}

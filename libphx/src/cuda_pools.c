@@ -84,6 +84,7 @@ void lane_give_back_locked(phx_cuda *c, struct cu_sbuf *b)
 /* Queue @b for the copier, in order (c->lock held). */
 void copier_push_locked(phx_cuda *c, struct cu_sbuf *b)
 {
+	b->copy_ns = phx_now_ns();
 	b->state = SB_COPY;
 	b->next = NULL;
 	if (c->copy_tail)

@@ -312,7 +312,8 @@ static int check_io(const struct phx_cuda_io *io)
  * one file looks the entry up once.
  */
 int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
-	    uint64_t range[2], struct cu_file **cfp, struct cu_req **out)
+	    struct cu_group *grp, uint64_t range[2], struct cu_file **cfp,
+	    struct cu_req **out)
 {
 	struct cu_req *rq;
 	int ret, err = 0;
@@ -337,6 +338,7 @@ int rq_host(phx_cuda *c, struct phx_cuda_io *io, struct cu_after *after,
 	if (!rq)
 		return cu_err(-ENOMEM, "out of memory");
 	rq->cf = *cfp;
+	rq->grp = grp;
 	rq->op = (uint8_t)io->op;
 	pthread_mutex_lock(&c->lock);
 	(*cfp)->refs++;
@@ -558,9 +560,17 @@ void after_put(phx_cuda *c, struct cu_after *a)
 	}
 }
 
-/* The last touch of @c by a request: destroy may go ahead after it. */
-static void live_dec(phx_cuda *c, struct phx_cuda_io *io)
+/*
+ * The last touch of @c by a request: destroy may go ahead after it.  A
+ * member of a group wakes the waiters only as the group's last (its caller
+ * waits for nothing else, and nobody else waits for its members) or when
+ * nothing is live any more (destroy waits for that): thousands of small
+ * pieces then cost one wake-up, not one each.
+ */
+static void live_dec(phx_cuda *c, struct phx_cuda_io *io, struct cu_group *grp)
 {
+	bool wake = true;
+
 	pthread_mutex_lock(&c->done_lock);
 	if (io) {
 		__atomic_store_n(&io->done, 1, __ATOMIC_RELEASE);
@@ -568,7 +578,10 @@ static void live_dec(phx_cuda *c, struct phx_cuda_io *io)
 			eventfd_write(c->done_efd, 1);
 	}
 	c->live--;
-	pthread_cond_broadcast(&c->done_cond);
+	if (grp)
+		wake = --grp->left == 0 || !c->live;
+	if (wake)
+		pthread_cond_broadcast(&c->done_cond);
 	pthread_mutex_unlock(&c->done_lock);
 }
 
@@ -622,6 +635,7 @@ void rq_release(struct cu_req *rq)
 	struct phx_cuda_io *io = rq->owned ? NULL : rq->io;
 	phx_cuda_done_fn fn = rq->done_fn;
 	void *arg = rq->done_arg;
+	struct cu_group *grp = rq->grp;
 	int64_t res = fn ? rq_result(rq) : 0;
 
 	rq->state = RQ_DONE;
@@ -641,7 +655,7 @@ void rq_release(struct cu_req *rq)
 	pthread_mutex_unlock(&c->lock);
 	if (fn)
 		fn(arg, res);
-	live_dec(c, io);
+	live_dec(c, io, grp);
 }
 
 /*

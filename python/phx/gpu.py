@@ -30,6 +30,11 @@ Batches: :func:`pread_batch` / :func:`pwrite_batch` (a list of buffers) and
 :func:`read_chunks` / :func:`write_chunks` (N file ranges <-> N places of one
 GPU buffer, e.g. KV blocks) submit everything with one call; the requests
 share staging buffers and a few copy calls (``cuMemcpyBatchAsync``).
+:func:`pread_many` / :func:`pwrite_many` (also ``File.pread_many`` with a GPU
+buffer) and the stream-ordered :func:`read_many_async` /
+:func:`write_many_async` take the pieces as int64 arrays, checked at once
+(issue 29: thousands of 8-64 KiB KV blocks; :mod:`phx.blocks` makes the
+arrays from vLLM block ids and layers).
 
 Host memory the caller moves itself: :func:`pin` page-locks a host buffer for
 a device and :class:`CopyStream` queues H2D / D2H copies on a stream of the
@@ -56,17 +61,19 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
+    import numpy as np
     import numpy.typing as npt
 
     from phx import Engine
     from phx._typing import BufferLike, DeviceBuffer, HostBuffer
 
 __all__ = [
-    "CopyStream", "GPUBatch", "GPUFuture", "PinnedMemory", "StreamOp", "context",
-    "engine_stats", "is_available", "is_device_buffer", "pin",
-    "pread", "pread_async", "pread_batch", "pwrite", "pwrite_async",
-    "pwrite_batch", "read_async", "read_chunks", "read_chunks_async", "stats",
-    "write_async", "write_chunks", "write_chunks_async",
+    "CopyStream", "GPUBatch", "GPUFuture", "PinnedMemory", "StreamBatch", "StreamOp",
+    "context", "engine_stats", "is_available", "is_device_buffer", "pin",
+    "pread", "pread_async", "pread_batch", "pread_many", "pwrite", "pwrite_async",
+    "pwrite_batch", "pwrite_many", "read_async", "read_chunks", "read_chunks_async",
+    "read_many_async", "stats", "write_async", "write_chunks", "write_chunks_async",
+    "write_many_async",
 ]
 
 try:
@@ -92,7 +99,7 @@ from phx.futures import PATHS, PhxFuture, empty_paths
 _avail: tuple[bool, str] | None = None
 _lock = threading.Lock()
 _contexts: dict[tuple[int, int], _Holder] = {}
-_pending: deque[_cuda.IO] = deque()
+_pending: deque[_cuda.IO | _cuda.ManyStream] = deque()
 
 
 def is_available() -> tuple[bool, str]:
@@ -423,7 +430,7 @@ def _is_file(obj: Any) -> bool:
 _pending_lock = threading.Lock()
 
 
-def _keep(h: _cuda.IO) -> None:
+def _keep(h: _cuda.IO | _cuda.ManyStream) -> None:
     """Hold a stream op's handle until it is done (its memory is the
     request's); threads submitting at once share the queue, hence the lock."""
     with _pending_lock:
@@ -621,6 +628,152 @@ def write_chunks(buf: DeviceBuffer, file: _File, file_offsets: npt.ArrayLike,
                  buf_offsets: npt.ArrayLike, sizes: npt.ArrayLike) -> list[int]:
     """:func:`write_chunks_async`, waited for: bytes per chunk."""
     return write_chunks_async(buf, file, file_offsets, buf_offsets, sizes).result()
+
+
+# ---------------------------------------------------------------------------
+# Many small pieces by arrays (issue 29): no Python object per piece
+# ---------------------------------------------------------------------------
+
+def _many_arrays(nbytes: npt.ArrayLike, offsets: npt.ArrayLike,
+                 buf_offsets: npt.ArrayLike | None) -> tuple[Any, Any, Any]:
+    """int64 arrays (file offsets, buffer offsets, lengths), as File.pread_many
+    takes them: ``nbytes`` one int for all or one per piece; ``buf_offsets``
+    by default the pieces back to back."""
+    import numpy as np
+    fo = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+    n = fo.shape[0]
+    if np.ndim(nbytes) == 0:
+        ln = np.full(n, int(cast(Any, nbytes)), dtype=np.int64)
+    else:
+        ln = np.ascontiguousarray(nbytes, dtype=np.int64).reshape(-1)
+    if ln.shape[0] != n:
+        raise ValueError(f"{n} offsets but {ln.shape[0]} sizes")
+    if buf_offsets is None:
+        bo = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            np.cumsum(ln[:-1], out=bo[1:])
+    else:
+        bo = np.ascontiguousarray(buf_offsets, dtype=np.int64).reshape(-1)
+        if bo.shape[0] != n:
+            raise ValueError(f"{n} offsets but {bo.shape[0]} buffer offsets")
+    return fo, bo, ln
+
+
+def _many_view(file: _File, buf: Any, write: bool) -> _View:
+    _require()
+    path = getattr(file, "path", None)
+    view = _view(buf, path)
+    if not write and view.readonly:
+        raise BufferReadOnlyError(22, "cannot read into a read-only GPU buffer", path)
+    return view
+
+
+def _first_error(res: Any, path: object, write: bool, fo: Any, ln: Any) -> None:
+    """Raise the OSError of the first failed piece (after all are done)."""
+    import numpy as np
+    bad = np.flatnonzero(res < 0)
+    if bad.size:
+        i = int(bad[0])
+        e = -int(res[i])
+        raise OSError(e, f"{os.strerror(e)}: piece {i} ({'write' if write else 'read'} of "
+                         f"{int(ln[i])} bytes at {int(fo[i])})", path)
+
+
+def _many(buf: Any, file: _File, offsets: npt.ArrayLike, nbytes: npt.ArrayLike,
+          buf_offsets: npt.ArrayLike | None, write: bool) -> npt.NDArray[np.int64]:
+    view = _many_view(file, buf, write)
+    fo, bo, ln = _many_arrays(nbytes, offsets, buf_offsets)
+    ctx = _ctx_for(file, view)
+    _total, res = ctx.many(file._c_file, view.ptr, view.nbytes, fo, bo, ln, write,
+                           after_stream=_stream_handle(None, view), path=file.path)
+    _first_error(res, file.path, write, fo, ln)
+    return res
+
+
+def pread_many(buf: DeviceBuffer, file: _File, offsets: npt.ArrayLike,
+               nbytes: npt.ArrayLike, buf_offsets: npt.ArrayLike | None = None
+               ) -> npt.NDArray[np.int64]:
+    """Read many pieces of ``file`` into one GPU buffer, as
+    ``File.pread_many`` does into host memory: piece ``i`` is ``nbytes[i]``
+    bytes (or ``nbytes`` for all) at file offset ``offsets[i]``, landing at
+    byte ``buf_offsets[i]`` of ``buf`` (default: back to back).  Integer
+    arrays in, no Python object per piece; the pieces are packed many to a
+    staging buffer.  Ordered after the work queued on the buffer's stream.
+    Returns an int64 array of byte counts (short at end of file); raises the
+    first failure's OSError after all have finished, ValueError (nothing
+    queued) for pieces past the buffer, negative values or two reads into
+    one place."""
+    return _many(buf, file, offsets, nbytes, buf_offsets, False)
+
+
+def pwrite_many(buf: DeviceBuffer, file: _File, offsets: npt.ArrayLike,
+                nbytes: npt.ArrayLike, buf_offsets: npt.ArrayLike | None = None
+                ) -> npt.NDArray[np.int64]:
+    """Write many pieces of one GPU buffer to ``file`` (the arguments as for
+    :func:`pread_many`; two pieces may not write one file byte)."""
+    return _many(buf, file, offsets, nbytes, buf_offsets, True)
+
+
+class StreamBatch(PhxFuture):
+    """Stream-ordered pieces (:func:`read_many_async`): ``results`` is an
+    int64 array, -EINPROGRESS per piece until the stream has passed it.
+    ``result()`` waits on the host (polling the array: the pieces tell no
+    eventfd) and returns it, raising the first failure's OSError."""
+
+    __slots__ = ("_h", "_write", "_fo", "_ln")
+
+    def __init__(self, h: _cuda.ManyStream, write: bool, fo: Any, ln: Any) -> None:
+        self._h, self._write, self._fo, self._ln = h, write, fo, ln
+
+    @property
+    def results(self) -> npt.NDArray[np.int64]:
+        return self._h.results
+
+    def done(self) -> bool:
+        return self._h.done()
+
+    def result(self, timeout: float | None = None) -> npt.NDArray[np.int64]:
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 20e-6
+        while not self._h.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("stream-ordered pieces not complete within the timeout")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+        _first_error(self._h.results, self._h.path, self._write, self._fo, self._ln)
+        return self._h.results
+
+    def bytes_by_path(self) -> dict[str, int]:
+        return empty_paths()
+
+
+def _many_stream(buf: Any, file: _File, offsets: npt.ArrayLike, nbytes: npt.ArrayLike,
+                 buf_offsets: npt.ArrayLike | None, stream: Any, write: bool) -> StreamBatch:
+    view = _many_view(file, buf, write)
+    fo, bo, ln = _many_arrays(nbytes, offsets, buf_offsets)
+    ctx = _ctx_for(file, view)
+    h = ctx.many_stream(file._c_file, view.ptr, view.nbytes, fo, bo, ln, write,
+                        _stream_handle(stream, view), keep=(view.keep, file), path=file.path)
+    _keep(h)
+    return StreamBatch(h, write, fo, ln)
+
+
+def read_many_async(buf: DeviceBuffer, file: _File, offsets: npt.ArrayLike,
+                    nbytes: npt.ArrayLike, buf_offsets: npt.ArrayLike | None = None,
+                    stream: Any = None) -> StreamBatch:
+    """:func:`pread_many` queued on ``stream`` (default as :func:`read_async`):
+    the pieces run, in order, when the stream gets there, and kernels queued
+    after them see the data.  The arrays are copied at the call."""
+    return _many_stream(buf, file, offsets, nbytes, buf_offsets, stream, False)
+
+
+def write_many_async(buf: DeviceBuffer, file: _File, offsets: npt.ArrayLike,
+                     nbytes: npt.ArrayLike, buf_offsets: npt.ArrayLike | None = None,
+                     stream: Any = None) -> StreamBatch:
+    """:func:`pwrite_many` queued on ``stream``: it sends what the kernels
+    queued before it produced."""
+    return _many_stream(buf, file, offsets, nbytes, buf_offsets, stream, True)
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,8 @@
  * stream), fake_hostfn_max_ns() (the longest host function),
  * fake_stream_capture() (a stream capturing a graph), fake_alloc_segments()
  * (one range mapped as several allocations, as VMM allocators do),
- * fake_fault_async() (a kernel that faults: from then on the context is
+ * fake_poison_copies() (copies to a GPU range refused: an injected copy
+ * error), fake_fault_async() (a kernel that faults: from then on the context is
  * dead, every stream stops and every call returns 700, as with a sticky
  * error), fake_fail_launch() / fake_fail_write_value() (the (k+1)-th such
  * call from now fails: a stream op only partly queued).
@@ -894,10 +895,32 @@ static CUresult copy(void *h, void *dst, const void *src, size_t n)
 	return OK;
 }
 
+/*
+ * fake_poison_copies(lo, hi): from now on every copy to the GPU whose
+ * destination meets [lo, hi) is refused (CUDA_ERROR_INVALID_VALUE, in a
+ * batch with its index), until fake_poison_copies(0, 0): an injected copy
+ * error that must never become data.
+ */
+static uint64_t poison_lo, poison_hi;
+
+void fake_poison_copies(uint64_t lo, uint64_t hi)
+{
+	__atomic_store_n(&poison_lo, lo, __ATOMIC_RELEASE);
+	__atomic_store_n(&poison_hi, hi, __ATOMIC_RELEASE);
+}
+
+static int poisoned(uint64_t d, size_t n)
+{
+	uint64_t lo = __atomic_load_n(&poison_lo, __ATOMIC_ACQUIRE);
+	uint64_t hi = __atomic_load_n(&poison_hi, __ATOMIC_ACQUIRE);
+
+	return lo < hi && d < hi && d + n > lo;
+}
+
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *src, size_t n, void *h)
 {
 	api_enter();
-	if (!mem_on(stream_dev(h), d, n))
+	if (!mem_on(stream_dev(h), d, n) || poisoned(d, n))
 		return EINVALID;
 	return copy(h, (void *)(uintptr_t)d, src, n);
 }
@@ -924,7 +947,8 @@ CUresult fake_MemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *siz
 		return EINVALID;	/* as CUDA: no legacy stream */
 	dev = stream_dev(h);
 	for (i = 0; i < count; i++) {
-		if (!mem_on(dev, dsts[i], sizes[i]) && !mem_on(dev, srcs[i], sizes[i])) {
+		if ((!mem_on(dev, dsts[i], sizes[i]) && !mem_on(dev, srcs[i], sizes[i])) ||
+		    (mem_on(dev, dsts[i], sizes[i]) && poisoned(dsts[i], sizes[i]))) {
 			*fail = i;
 			return EINVALID;
 		}

@@ -84,6 +84,35 @@ cdef extern from "phx_cuda.h" nogil:
         uint64_t bad_refusals
         uint64_t orphans
         uint64_t broken
+        uint64_t ph_call_ns
+        uint64_t ph_pack_ns
+        uint64_t ph_submit_ns
+        uint64_t ph_io_ns
+        uint64_t ph_copy_ns
+        uint64_t ph_buffers
+        uint64_t many_calls
+        uint64_t many_pieces
+        uint64_t ph_done_ns
+
+    # PHX_0.8: many small pieces of one file and one GPU buffer (issue 29)
+    enum:
+        PHX_CUDA_MANY_AFTER
+    struct phx_cuda_many_s "phx_cuda_many":
+        uint32_t size
+        uint32_t op
+        phx_file *file
+        uint64_t devptr
+        uint64_t dev_len
+        size_t n
+        const int64_t *file_offsets
+        const int64_t *dev_offsets
+        const int64_t *lens
+        int64_t *results
+        void *stream
+        uint32_t flags
+    int phx_cuda_many_check(const phx_cuda_many_s *m)
+    int64_t phx_cuda_many(phx_cuda *cu, const phx_cuda_many_s *m)
+    int phx_cuda_many_async(phx_cuda *cu, const phx_cuda_many_s *m)
 
     int phx_cuda_available(char *why, size_t len)
     const char *phx_cuda_strerror_last()

@@ -4,6 +4,7 @@
 Everything here takes raw addresses (``phx_file *``, ``phx_engine *``,
 CUdeviceptr, CUstream) as ints; :mod:`phx.gpu` holds the Pythonic layer.
 """
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from libc.errno cimport EINVAL
@@ -262,6 +263,78 @@ cdef class Batch:
         return res
 
 
+@cython.auto_pickle(False)  # results libphx is writing: nothing to pickle
+cdef class ManyStream:
+    """Stream-ordered pieces of one file and one GPU buffer (phx_cuda_many_async):
+    ``results`` (int64, one per piece) is -EINPROGRESS until the stream has
+    passed the piece, then its bytes or -errno.  The object holds the array
+    libphx writes and the buffer until every piece is final."""
+    cdef readonly object results
+    cdef object keep
+    cdef readonly object path
+
+    def done(self) -> bool:
+        """True once every piece's result is final (the stream passed them all)."""
+        if self.results is None:
+            return True
+        if (self.results == -_errno.EINPROGRESS).any():
+            return False
+        self.keep = None
+        return True
+
+
+def _i64(a, str what):
+    """A contiguous 1-D int64 array of ``a`` (no copy when it is one)."""
+    import numpy as np
+    arr = np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+    return arr
+
+
+cdef int _many_fill(phx_cuda_many_s *m, uintptr_t file_addr, uint64_t devptr, uint64_t dev_len,
+                    fo, do, ln, res, bint write) except -1:
+    """Fill ``m`` from int64 arrays of one length (checked here)."""
+    cdef Py_ssize_t n = fo.shape[0]
+    if do.shape[0] != n or ln.shape[0] != n:
+        raise ValueError(f"{n} file offsets, {do.shape[0]} GPU offsets and {ln.shape[0]} "
+                         "lengths: they must be of one length")
+    memset(m, 0, sizeof(phx_cuda_many_s))
+    m.size = sizeof(phx_cuda_many_s)
+    m.op = OP_WRITE if write else OP_READ
+    m.file = <phx_file *>file_addr
+    m.devptr = devptr
+    m.dev_len = dev_len
+    m.n = <size_t>n
+    if n:
+        m.file_offsets = <const int64_t *><uintptr_t>fo.ctypes.data
+        m.dev_offsets = <const int64_t *><uintptr_t>do.ctypes.data
+        m.lens = <const int64_t *><uintptr_t>ln.ctypes.data
+        m.results = <int64_t *><uintptr_t>res.ctypes.data
+    return 0
+
+
+cdef object _many_refused(int rc, object path):
+    """A call phx_cuda_many_check() refused: ValueError for bad arguments."""
+    text = phx_cuda_strerror_last().decode("utf-8", "replace")
+    if rc == -EINVAL:
+        return ValueError(text)
+    return _err(rc, path)
+
+
+def many_check(uintptr_t file_addr, uint64_t devptr, uint64_t dev_len, file_offsets,
+               dev_offsets, lens, bint write) -> None:
+    """phx_cuda_many_check(): raise ValueError naming the first bad piece."""
+    import numpy as np
+    cdef phx_cuda_many_s m
+    cdef int rc
+    fo, do, ln = _i64(file_offsets, "file"), _i64(dev_offsets, "GPU"), _i64(lens, "len")
+    res = np.empty(fo.shape[0], dtype=np.int64)
+    _many_fill(&m, file_addr, devptr, dev_len, fo, do, ln, res, write)
+    with nogil:
+        rc = phx_cuda_many_check(&m)
+    if rc < 0:
+        raise _many_refused(rc, None)
+
+
 cdef int _ctx_eventfd(Context ctx) except -1:
     cdef int fd = phx_cuda_eventfd(ctx.cu)
     if fd < 0:
@@ -490,6 +563,58 @@ cdef class Context:
             b.wait()
             raise _err(rc, path)
         return b
+
+    def many(self, uintptr_t file_addr, uint64_t devptr, uint64_t dev_len, file_offsets,
+             dev_offsets, lens, bint write, after_stream=None, path=None) -> tuple:
+        """phx_cuda_many(): piece i moves ``lens[i]`` bytes between
+        ``file_offsets[i]`` and GPU address ``devptr + dev_offsets[i]``, all
+        inside ``[devptr, devptr + dev_len)``; returns when all are done.
+        ``(total, results)``: the sum of bytes or the first failed piece's
+        -errno, and an int64 array of each piece's.  Bad arguments raise
+        ValueError (nothing queued).  With ``after_stream`` the copies follow
+        the work queued on that stream."""
+        import numpy as np
+        cdef phx_cuda *c = self._get()
+        cdef phx_cuda_many_s m
+        cdef int64_t total
+        fo, do, ln = _i64(file_offsets, "file"), _i64(dev_offsets, "GPU"), _i64(lens, "len")
+        res = np.full(fo.shape[0], -(2 ** 63), dtype=np.int64)  # untouched: never queued
+        _many_fill(&m, file_addr, devptr, dev_len, fo, do, ln, res, write)
+        if after_stream is not None:
+            m.flags = PHX_CUDA_MANY_AFTER
+            m.stream = <void *><uintptr_t>after_stream
+        with nogil:
+            total = phx_cuda_many(c, &m)
+        if total < 0 and (m.n == 0 or res[0] == -(2 ** 63)):
+            raise _many_refused(<int>total, path)
+        return total, res
+
+    def many_stream(self, uintptr_t file_addr, uint64_t devptr, uint64_t dev_len,
+                    file_offsets, dev_offsets, lens, bint write, uintptr_t stream,
+                    keep=None, path=None) -> ManyStream:
+        """phx_cuda_many_async() on ``stream`` (a CUstream int): the pieces
+        run when the stream gets there, in order.  Returns a
+        :class:`ManyStream`; hold it (or its ``results``) until it is done."""
+        import numpy as np
+        cdef phx_cuda *c = self._get()
+        cdef phx_cuda_many_s m
+        cdef ManyStream h = ManyStream.__new__(ManyStream)
+        cdef int rc
+        fo, do, ln = _i64(file_offsets, "file"), _i64(dev_offsets, "GPU"), _i64(lens, "len")
+        res = np.full(fo.shape[0], -(2 ** 63), dtype=np.int64)
+        _many_fill(&m, file_addr, devptr, dev_len, fo, do, ln, res, write)
+        m.stream = <void *>stream
+        h.results = res
+        h.keep = keep
+        h.path = path
+        with nogil:
+            rc = phx_cuda_many_async(c, &m)
+        if rc < 0 and (m.n == 0 or res[0] == -(2 ** 63)):
+            raise _many_refused(rc, path)
+        # rc < 0 past the checks: the pieces before the refused one are
+        # queued and their results still arrive; the others carry the error
+        # (h must live on until done, so it is returned, not raised)
+        return h
 
     def submit_stream(self, uintptr_t file_addr, uint64_t devptr, size_t n,
                       uint64_t offset, bint write, uintptr_t stream, keep=None,

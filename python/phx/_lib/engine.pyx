@@ -855,8 +855,10 @@ cdef class File:
         cdef phx_engine *e = self.engine._get()
         self._check(write, 0)
         if is_device_buffer(buf):
-            raise TypeError("pread_many/pwrite_many take host memory; for GPU memory use "
-                            "pread_batch/pwrite_batch (phx.gpu)")
+            # GPU memory: phx.gpu's array call (phx_cuda_many), same arguments
+            if write:
+                return self._device().pwrite_many(buf, self, offsets, nbytes, buf_offsets)
+            return self._device().pread_many(buf, self, offsets, nbytes, buf_offsets)
         offs = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
         n = offs.shape[0]
         if np.ndim(nbytes) == 0:
@@ -911,7 +913,7 @@ cdef class File:
         return out
 
     def pread_many(self, buf, offsets, nbytes, buf_offsets=None):
-        """Read many pieces of the file into one host buffer, in one submission.
+        """Read many pieces of the file into one buffer, in one submission.
 
         Piece ``i`` is ``nbytes[i]`` bytes (or ``nbytes`` for all) at file
         offset ``offsets[i]``, landing at ``buf_offsets[i]`` of ``buf`` (by
@@ -920,7 +922,8 @@ cdef class File:
         piece, so thousands of KV chunks cost what their I/O costs.  Returns a
         numpy int64 array of byte counts (short at end of file); raises the
         first failure's OSError after all have finished, like
-        :meth:`pread_batch`.
+        :meth:`pread_batch`.  A GPU buffer goes to :func:`phx.gpu.pread_many`
+        (pinned staging; pieces checked at once, ValueError when bad).
         """
         return self._many(False, buf, offsets, nbytes, buf_offsets)
 
