@@ -66,6 +66,7 @@ static int (*CtxRetained)(int);
 static int (*AllocSegments)(uint64_t *, int, size_t);
 static void (*StreamCapture)(void *, int);
 static int (*FaultAsync)(void *);
+static int (*IsDead)(void);
 static void (*FailLaunch)(int);
 static void (*FailWriteValue)(int);
 static int (*WaitValue32)(void *, uint64_t, uint32_t, unsigned);
@@ -1627,7 +1628,11 @@ static int test_broken_stream(phx_engine *eng)
 		CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done[i], s) == 0,
 		      "queue %d", i);
 	__atomic_store_n(&gate, 1, __ATOMIC_RELEASE);
-	usleep(10000);
+	/* wait for the fake's stream thread to run the fault (a fixed 10 ms
+	 * was too short on a loaded 2-core box); 10 s is far past any delay */
+	for (i = 0; i < 10000 && !IsDead(); i++)
+		usleep(1000);
+	CHECK(IsDead(), "the faulting kernel never ran");
 	CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done[0], s) < 0,
 	      "an op queued after the fault was accepted");
 	phx_cuda_stats_get(c, &st, sizeof(st));
@@ -1672,6 +1677,7 @@ int main(int argc, char **argv)
 	*(void **)&AllocSegments = dlsym(h, "fake_alloc_segments");
 	*(void **)&StreamCapture = dlsym(h, "fake_stream_capture");
 	*(void **)&FaultAsync = dlsym(h, "fake_fault_async");
+	*(void **)&IsDead = dlsym(h, "fake_is_dead");
 	*(void **)&FailLaunch = dlsym(h, "fake_fail_launch");
 	*(void **)&FailWriteValue = dlsym(h, "fake_fail_write_value");
 	*(void **)&WaitValue32 = dlsym(h, "cuStreamWaitValue32_v2");
