@@ -8,7 +8,7 @@ PHX_GUEST_NVME_RUN := $(PYTHON) tests/guest/nvme/run_guest.py
 PHX_GUEST_NVME_DEVS ?= --nvme size=64M,lba=4096,mdts=3 --nvme size=64M,lba=512,mdts=2 \
 	--nvme size=512M,lba=4096,mdts=5
 
-.PHONY: test-guest-nvme bench-guest-nvme
+.PHONY: test-guest-nvme bench-guest-nvme test-guest-flex
 
 # `build`: the guest runs the host's .venv (phx.nvme, pytest) over 9p.
 test-guest-nvme: build
@@ -19,5 +19,13 @@ test-guest-nvme: build
 bench-guest-nvme: build
 	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_bench.sh \
 		--nvme size=1G,lba=4096,mdts=7 --mem 2G --timeout 1200 --keep
+
+# FlexLLMGen's generate (OPT-125M on the CPU) with Group 2 of the KV cache on a
+# namespace, against stock (issue 26, part 6; docs/kv.md).  Not part of
+# test-guest: torch under TCG makes it take minutes.  3 GiB: each of stock
+# TorchDisk's four 2 GiB relay buffers must pass the guest's overcommit check.
+test-guest-flex: build
+	$(PHX_GUEST_NVME_RUN) tests/guest/nvme/suite_flex.sh --nvme size=64M,lba=4096,mdts=3 \
+		--mem 3G --timeout 1800
 
 test-guest:: test-guest-nvme
