@@ -112,7 +112,7 @@ def test_group2_on_the_namespace_sequential_by_lba(out):
 
 def test_trim_when_flexllmgen_frees_the_kv(out):
     if not out["nvme"]:
-        pytest.skip("no NVMe namespace here (the guest test: make test-guest-flex)")
+        pytest.skip("runs in the QEMU guest (make test-guest-flex): no NVMe namespace here")
     g2 = _group2(out)
     st = out["phx"]["nvme_stats"]
     rb = out["read_back"]
