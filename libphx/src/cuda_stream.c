@@ -955,6 +955,16 @@ static void orphan(phx_cuda *c, struct cu_req *rq, uint32_t queued)
 
 	cu_err_save(keep, sizeof(keep));
 	rq_fail(rq, cu_err(-EIO, "%s", keep));
+	/*
+	 * The result must be in *bytes_done before the stream goes past the op,
+	 * and nothing queued for it will hold the stream until the poller
+	 * publishes (its end was never queued; st_orphan_end() raises the flag
+	 * before st_kill() publishes, and a program cut at a round boundary has
+	 * no wait left at all): so write it now, in the call.  The publish later
+	 * writes the same -EIO again.
+	 */
+	if (rq->bytes_done)
+		*rq->bytes_done = rq_result(rq);
 	pthread_mutex_lock(&c->lock);
 	rq->orphan_rounds = queued;
 	rq->orphan = true;

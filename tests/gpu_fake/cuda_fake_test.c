@@ -29,22 +29,9 @@
 
 #include "phx.h"
 #include "phx_cuda.h"
+#include "fake_check.h"
 #include "cuda_internal.h"	/* the staging region's address; the parsers */
 
-#define KiB 1024ull
-#define MiB (1024ull * 1024)
-
-static int failures;
-
-#define CHECK(cond, ...)                                                     \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                        \
-			fprintf(stderr, " [%s]\n", phx_cuda_strerror_last()); \
-			failures++;                                          \
-		}                                                            \
-	} while (0)
 
 /* the fake's own entry points */
 static int (*MemAlloc)(uint64_t *, size_t);
@@ -1390,6 +1377,9 @@ static void test_partly_queued(phx_engine *eng, void *s)
 		FailLaunch(1 + 2 * (int)k);
 		CHECK(phx_cuda_read_async(c, f, buf, &size, &foff, &boff, &done, s) == 0,
 		      "partly queued op refused at the call");
+		/* in the call: no command left on the stream waits for a publish */
+		CHECK(done == -EIO, "partly queued op %zu: bytes_done %" PRId64 " at the call",
+		      k, done);
 		StreamSynchronize(s);
 		CHECK(done == -EIO, "partly queued op %zu: bytes_done %" PRId64, k, done);
 	}

@@ -28,18 +28,8 @@
 #include <string.h>
 
 #include "phx_cuda.h"
+#include "fake_check.h"
 
-static int failures;
-
-#define CHECK(cond, ...)                                                     \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                        \
-			fprintf(stderr, " [%s]\n", phx_cuda_strerror_last()); \
-			failures++;                                          \
-		}                                                            \
-	} while (0)
 
 /* the fake's own entry points */
 static int (*MemAlloc)(uint64_t *, size_t);

@@ -26,22 +26,9 @@
 
 #include "phx.h"
 #include "phx_cuda.h"
+#include "fake_check.h"
 #include "cuda_internal.h"	/* phx_file's inode: the injected bad range */
 
-#define KiB 1024ull
-#define MiB (1024ull * 1024)
-
-static int failures;
-
-#define CHECK(cond, ...)                                                     \
-	do {                                                                 \
-		if (!(cond)) {                                               \
-			fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                        \
-			fprintf(stderr, " [%s]\n", phx_cuda_strerror_last()); \
-			failures++;                                          \
-		}                                                            \
-	} while (0)
 
 static int (*MemAlloc)(uint64_t *, size_t);
 static int (*MemFree)(uint64_t);
