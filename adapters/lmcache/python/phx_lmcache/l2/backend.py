@@ -139,8 +139,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                          // fmt.ALIGN * fmt.ALIGN)
         self.readers = max(1, int(extra.get("phx_l2.readers", 1)))
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
-        # crc32c of a get's pieces on a thread of its own (see _reader)
-        self.crc_thread = _as_bool(extra.get("phx_l2.crc_thread", True))
+        # crc32c of a get's pieces on a thread of its own (see _reader); off by
+        # default: on the 2-core dev box it cost ~5 % more CPU per byte (the thread
+        # hashes from another core's cache) and gained nothing measurable (no free core)
+        self.crc_thread = _as_bool(extra.get("phx_l2.crc_thread", False))
         register_pool = _as_bool(extra.get("phx_l2.register_pool", True))
         max_io_kb = int(extra.get("phx_l2.max_io_kb", 0))
 
@@ -703,7 +705,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 plan.append((i, n, rf, pay[p0:p0 + n], off + hb + p0))
         q: Any
         if nr == 1:
-            # one reader: this thread reads (and hands the crc to the crc thread)
+            # one reader: this thread reads and checksums (or hands the crc to the
+            # crc thread)
             q = _Results()
             self._reader(plans[0], q, self.crc_thread)
         else:
@@ -780,7 +783,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         to ``q``: (item, bytes or exception, running crc32c of the chunk: an int, or
         a Future of it when the crc thread computes it).
 
-        With ``crc_thread`` (the default) the pieces' crc32c runs on a thread of its
+        With ``crc_thread`` (``phx_l2.crc_thread``) the pieces' crc32c runs on a thread of its
         own, one piece after another (one worker: a chunk's running crc is chained
         in order), while this thread goes on reading.  That is what overlaps
         checksum and reads on a device that copies in the submitting thread: zram
