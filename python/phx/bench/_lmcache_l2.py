@@ -5,7 +5,9 @@ configuration, on the same filesystem (the disk under ``--dir``, and a zram
 ext4 with ``--zram``), one after another inside every repeat:
 
 * ``phx`` — ``phx_lmcache.l2.PhxL2Backend`` (storage plugin; checksums verified)
-* ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost)
+* ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost);
+  ``PHX_BENCH_L2_MODULE`` names another importable copy of the plugin for both
+  (an earlier tree's, for before/after tables)
 * ``localdisk`` — LMCache's ``LocalDiskBackend`` as configured by default (buffered)
 * ``localdisk-odirect`` — the same with ``use_odirect: true``
 * ``rawblock-uring`` / ``rawblock-posix`` — LMCache's ``rust_raw_block`` plugin
