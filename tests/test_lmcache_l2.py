@@ -167,6 +167,10 @@ def test_bit_flip_in_payload(results: dict[str, Any], fs: str) -> None:
     _exact(r["again"]["check"], [0, 1, 3, 4, 6, 7], [2, 5])
     _exact(r["two_readers"]["check"], [0, 1, 3, 4, 6], [2, 5, 7])   # readers: 2
     assert r["two_readers"]["stats"]["checksum_failures"] == 1
+    _exact(r["crc_thread"]["check"], [0, 1, 3, 6], [2, 4, 5, 7])     # crc_thread: true
+    assert r["crc_thread"]["stats"]["checksum_failures"] == 1
+    assert r["restart"]["stats"]["pool_registered_bytes"] > 0      # LMCache's pool, fixed
+    assert "pool_registered_bytes" not in r["crc_thread"]["stats"]
     assert "payload checksum mismatch" in results["_log"]
 
 

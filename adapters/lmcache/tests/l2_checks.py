@@ -343,7 +343,10 @@ def sc_flip_payload(d):
     c = run(ph_check, slab, 16, idx)
     flip(slab, a["offsets"]["7"] + 4096 + 3 * CHUNK // 4 + 5)      # in its last piece
     two = run(ph_check, slab, 16, idx, {"readers": 2})             # two reader threads
-    return {"restart": b, "again": c, "two_readers": two}
+    flip(slab, a["offsets"]["4"] + 4096 + CHUNK // 3)
+    # the checksum on the crc thread, LMCache's pool not registered
+    ct = run(ph_check, slab, 16, idx, {"crc_thread": True, "register_pool": False})
+    return {"restart": b, "again": c, "two_readers": two, "crc_thread": ct}
 
 
 def sc_flip_header(d):

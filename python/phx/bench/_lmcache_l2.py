@@ -5,7 +5,9 @@ configuration, on the same filesystem (the disk under ``--dir``, and a zram
 ext4 with ``--zram``), one after another inside every repeat:
 
 * ``phx`` — ``phx_lmcache.l2.PhxL2Backend`` (storage plugin; checksums verified)
-* ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost)
+* ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost);
+  ``PHX_BENCH_L2_MODULE`` names another importable copy of the plugin for both
+  (an earlier tree's, for before/after tables)
 * ``localdisk`` — LMCache's ``LocalDiskBackend`` as configured by default (buffered)
 * ``localdisk-odirect`` — the same with ``use_odirect: true``
 * ``rawblock-uring`` / ``rawblock-posix`` — LMCache's ``rust_raw_block`` plugin
@@ -77,7 +79,10 @@ def _manager(method: str, d: str, mib: int, nchunks: int, extra_cfg: dict | None
     if method.startswith("phx"):
         name = "phx_l2"
         kw["storage_plugins"] = [name]
-        extra.update({"storage_plugin.phx_l2.module_path": "phx_lmcache.l2",
+        # PHX_BENCH_L2_MODULE: another copy of the plugin (an earlier tree's, for a
+        # before/after table in one run); default the installed phx_lmcache.l2
+        extra.update({"storage_plugin.phx_l2.module_path":
+                      os.environ.get("PHX_BENCH_L2_MODULE") or "phx_lmcache.l2",
                       "storage_plugin.phx_l2.class_name": "PhxL2Backend",
                       "phx_l2.paths": os.path.join(d, "phx-l2.slab"),
                       "phx_l2.capacity_gb": cap / GiB,

@@ -139,10 +139,35 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                          // fmt.ALIGN * fmt.ALIGN)
         self.readers = max(1, int(extra.get("phx_l2.readers", 1)))
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
+        # crc32c of a get's pieces on a thread of its own (see _reader); off by
+        # default: on the 2-core dev box it cost ~5 % more CPU per byte (the thread
+        # hashes from another core's cache) and gained nothing measurable (no free core)
+        self.crc_thread = _as_bool(extra.get("phx_l2.crc_thread", False))
+        register_pool = _as_bool(extra.get("phx_l2.register_pool", True))
+        max_io_kb = int(extra.get("phx_l2.max_io_kb", 0))
 
-        self._engine = phx.Engine()
+        max_io = max_io_kb * 1024 if max_io_kb > 0 else None
+        self.counters: dict[str, float] = collections.defaultdict(int)
+        self._engine = phx.Engine(max_io_size=max_io)
         self._slab = SlabSet(paths, capacity, self.header_bytes, self.slot_bytes,
                              self._engine, preallocate)
+        # Reader r reads through engine r: one engine submits under one lock, and on
+        # a device that copies inside io_uring_enter (zram) that lock would let only
+        # one thread copy at a time.  Engine 0 is the writer's too.
+        self._engines = [self._engine]
+        self._rfiles: list[list[Any]] = [[f.f for f in self._slab.files]]
+        try:
+            for _ in range(1, self.readers):
+                eng = phx.Engine(max_io_size=max_io)
+                self._engines.append(eng)
+                self._rfiles.append([eng.open(f.path, "r") for f in self._slab.files])
+        except BaseException:
+            self._close_readers()
+            self._slab.close()
+            raise
+        self._pool_regs: list[tuple[Any, Any]] = []
+        if register_pool:
+            self._register_pool(local_cpu_backend)
         n = self._slab.slot_count
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
@@ -152,7 +177,6 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._seq = 0
         self._logged_bad: set[int] = set()
         self._logged_fail: set[tuple[str, str, Any]] = set()
-        self.counters: dict[str, float] = collections.defaultdict(int)
         # Rebuild the index: newest sequence wins for a key; LRU = sequence order.
         sl = self._slab
         order = np.argsort(sl.seqs, kind="stable")
@@ -184,6 +208,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._q: queue.Queue[Any] = queue.Queue()
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-crc")
+        self._read_hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-rcrc")
         self._readers = ThreadPoolExecutor(max(4, 2 * self.readers),
                                            thread_name_prefix="phx-l2-read")
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="phx-l2-get")
@@ -193,6 +218,50 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
 
     def __str__(self) -> str:
         return "PhxL2Backend"
+
+    def _register_pool(self, local_cpu_backend: Any) -> None:
+        """Register LMCache's CPU pool (where every get lands) with the engine as
+        io_uring fixed buffers, so that a read does not pin its pages each time
+        (LMCache does the same for rust_raw_block's io_uring engine).  Best effort:
+        without it (RLIMIT_MEMLOCK, no fixed buffers, an allocator without one
+        buffer) reads work as before."""
+        try:
+            alloc = local_cpu_backend.get_memory_allocator()
+            buf = getattr(alloc, "buffer", None)
+            if buf is None or not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" \
+                    or not buf.is_contiguous():
+                log.info("phx L2: LMCache's CPU pool is not one CPU tensor: not registered")
+                return
+            mv = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        except Exception as e:   # an allocator of another shape: nothing to register
+            log.info("phx L2: LMCache's CPU pool not registered: %s", e)
+            return
+        region = 1 << 30         # io_uring's largest fixed buffer
+        done = 0
+        try:
+            for eng in self._engines:
+                for o in range(0, len(mv), region):
+                    part = mv[o:o + region]
+                    eng.register_buffer(part)
+                    self._pool_regs.append((eng, part))
+                    done += len(part)
+        except (OSError, ValueError) as e:
+            log.warning("phx L2: registered %d of %d bytes of LMCache's CPU pool as fixed "
+                        "buffers (%s); reads into the rest pin their pages each time",
+                        done, len(mv) * len(self._engines), e)
+        self.counters["pool_registered_bytes"] = done
+
+    def _close_readers(self) -> None:
+        for files in self._rfiles[1:]:
+            for f in files:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._rfiles = self._rfiles[:1]
+        for eng in self._engines[1:]:
+            eng.close()
+        self._engines = self._engines[:1]
 
     # ------------------------------------------------------------------ lookup
     def contains(self, key: Any, pin: bool = False) -> bool:
@@ -628,41 +697,63 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             assert e is not None
             plan = plans[j % nr]        # (chunk, piece len or -1 = header, file, mv, off)
             f, off = self._slab.locate(e.slot)
-            plan.append((i, -1, f.f, hmv[j * hb:(j + 1) * hb], off))
+            rf = self._rfiles[j % nr][f.index]   # reader r's engine
+            plan.append((i, -1, rf, hmv[j * hb:(j + 1) * hb], off))
             pay = objs[i].byte_array  # type: ignore[union-attr]  # todo: allocated objects only
             for p0 in range(0, e.length, piece):
                 n = min(piece, e.length - p0)
-                plan.append((i, n, f.f, pay[p0:p0 + n], off + hb + p0))
+                plan.append((i, n, rf, pay[p0:p0 + n], off + hb + p0))
         q: Any
         if nr == 1:
-            # one reader: this thread reads and checksums itself (no hand-over)
+            # one reader: this thread reads and checksums (or hands the crc to the
+            # crc thread)
             q = _Results()
-            self._reader(plans[0], q)
+            self._reader(plans[0], q, self.crc_thread)
         else:
+            # the others on pool threads, the first here; each checksums its own
+            # pieces (the readers already keep the cores busy)
             q = queue.Queue()
-            for plan in plans:
-                self._readers.submit(self._reader, plan, q)
-        crc: dict[int, int] = {}
+            for plan in plans[1:]:
+                self._readers.submit(self._reader, plan, q, False)
+            self._reader(plans[0], q, False)
+        crc: dict[int, Any] = {}
         got: dict[int, int] = {}
         failed: dict[int, str] = {}
-        for _ in range(sum(len(p) for p in plans)):
-            (i, n, _f, mv, _off), res, c = q.get()
-            if isinstance(res, BaseException) or (n < 0 and res != hb) or (n >= 0 and res != n):
-                failed.setdefault(i, f"read failed ({res})" if isinstance(res, BaseException)
-                                  else "short read (truncated slab?)")
-                continue
-            if i in failed:
-                continue
-            if n < 0:
-                e = entries[i]
-                assert e is not None
-                h = fmt.decode_slot(mv, self._slab.uuid_of(e.slot), self._slab.local(e.slot))
-                if not isinstance(h, fmt.SlotHeader) or h.key != keys[i].to_string() or \
-                        h.payload_len != e.length or h.payload_crc != e.crc or h.seq != e.seq:
-                    failed[i] = f"slot header does not match ({h if isinstance(h, str) else 'other entry'})"
-            else:
-                got[i] = got.get(i, 0) + n
-                crc[i] = c
+        last: dict[int, Any] = {}     # each chunk's last crc future
+        try:
+            for _ in range(sum(len(p) for p in plans)):
+                (i, n, _f, mv, _off), res, c = q.get()
+                if not isinstance(c, int):
+                    last[i] = c
+                if isinstance(res, BaseException) or (n < 0 and res != hb) or \
+                        (n >= 0 and res != n):
+                    failed.setdefault(i, f"read failed ({res})" if isinstance(res, BaseException)
+                                      else "short read (truncated slab?)")
+                    continue
+                if i in failed:
+                    continue
+                if n < 0:
+                    e = entries[i]
+                    assert e is not None
+                    h = fmt.decode_slot(mv, self._slab.uuid_of(e.slot), self._slab.local(e.slot))
+                    if not isinstance(h, fmt.SlotHeader) or h.key != keys[i].to_string() or \
+                            h.payload_len != e.length or h.payload_crc != e.crc or h.seq != e.seq:
+                        failed[i] = ("slot header does not match "
+                                     f"({h if isinstance(h, str) else 'other entry'})")
+                else:
+                    got[i] = got.get(i, 0) + n
+                    crc[i] = c
+        finally:
+            # Every crc the crc thread was given has run before memory goes back
+            # (a chunk's last future comes after all of its pieces: one worker, in order).
+            for i, c in last.items():
+                try:
+                    v = c.result()
+                except Exception as ex:
+                    failed.setdefault(i, f"checksum failed ({ex})")
+                    continue
+                if c is crc.get(i):
+                    crc[i] = v
         for i in todo:
             e = entries[i]
             o = objs[i]
@@ -685,14 +776,24 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 o.metadata.cached_positions = torch.tensor(m["p"], dtype=torch.long)
             self.counters["get_bytes"] += e.length
 
-    def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]], q: Any) -> None:
+    def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]], q: Any,
+                crc_thread: bool) -> None:
         """Submit the plan's reads (``read_window`` pieces in flight), reap them in
-        order, checksum each payload piece right away, hand results to ``q``:
-        (item, bytes or exception, running crc32c of the chunk)."""
+        order, checksum each payload piece as soon as it has landed, hand results
+        to ``q``: (item, bytes or exception, running crc32c of the chunk: an int, or
+        a Future of it when the crc thread computes it).
+
+        With ``crc_thread`` (``phx_l2.crc_thread``) the pieces' crc32c runs on a thread of its
+        own, one piece after another (one worker: a chunk's running crc is chained
+        in order), while this thread goes on reading.  That is what overlaps
+        checksum and reads on a device that copies in the submitting thread: zram
+        (and any synchronous block driver) does the whole read inside
+        io_uring_enter, so a crc computed here comes after the read, not beside it."""
         window: collections.deque[tuple[Any, Any]] = collections.deque()
         limit = self.window
-        crc: dict[int, int] = {}
+        crc: dict[int, Any] = {}
         verify = self.verify
+        hasher = self._read_hasher if crc_thread else None
         for item in plan:
             try:
                 fut: Any = item[2].pread_async(item[3], item[4])
@@ -700,12 +801,13 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 fut = e
             window.append((item, fut))
             if len(window) >= limit:
-                self._reap(window.popleft(), q, crc, verify)
+                self._reap(window.popleft(), q, crc, verify, hasher)
         while window:
-            self._reap(window.popleft(), q, crc, verify)
+            self._reap(window.popleft(), q, crc, verify, hasher)
 
     @staticmethod
-    def _reap(w: tuple[Any, Any], q: Any, crc: dict[int, int], verify: bool) -> None:
+    def _reap(w: tuple[Any, Any], q: Any, crc: dict[int, Any], verify: bool,
+              hasher: Optional[ThreadPoolExecutor]) -> None:
         item, fut = w
         i, n, _f, mv, _o = item
         if isinstance(fut, BaseException):
@@ -717,7 +819,11 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             q.put((item, e, 0))
             return
         if verify and n >= 0 and res == n:
-            crc[i] = fmt.checksum(mv, crc.get(i, 0))
+            prev = crc.get(i, 0)
+            if hasher is None:
+                crc[i] = fmt.checksum(mv, prev)
+            else:
+                crc[i] = hasher.submit(_crc_step, mv, prev)
         q.put((item, res, crc.get(i, 0)))
 
     def get_blocking(self, key: Any) -> Optional[Any]:
@@ -766,8 +872,22 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._hasher.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self._calls.shutdown(wait=True)
+        self._read_hasher.shutdown(wait=True)
         self._slab.close()
+        for eng, part in self._pool_regs:
+            try:
+                eng.unregister_buffer(part)
+            except (OSError, ValueError):
+                pass
+        self._pool_regs = []
+        self._close_readers()
         log.info("phx L2: closed: %s", {k: v for k, v in self.stats().items() if v})
+
+
+def _crc_step(mv: memoryview, prev: Any) -> int:
+    """One piece's crc32c, continuing ``prev`` (an int, or the Future of the
+    piece before it: done already, the crc thread runs them in order)."""
+    return fmt.checksum(mv, prev if isinstance(prev, int) else prev.result())
 
 
 def _crash_count(stage: str) -> int | None:
