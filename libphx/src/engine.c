@@ -657,10 +657,17 @@ PHX_EXPORT int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n)
 	pthread_mutex_lock(&eng->lock);
 	ret = submit_locked(eng, v, n, false);
 	pthread_mutex_unlock(&eng->lock);
-	/* only fork()'s copy of a threads engine (-ECHILD) gives up: never completes */
-	for (i = 0; !ret && i < n; i++)
-		while (!ret && !io_is_done(&ios[i]))
-			if (engine_progress(eng, &ios[i], -1, true) == -ECHILD)
+	/*
+	 * The last request first: a thread-pool engine's caller runs queued
+	 * ops itself until the request it waits for is done, so it stays at
+	 * work through the whole batch instead of handing the next op to a
+	 * worker at the end of each request (io_uring's reaper takes every
+	 * completion, whichever it waits for).  Only fork()'s copy of a
+	 * threads engine (-ECHILD) gives up: it never completes.
+	 */
+	for (i = n; !ret && i > 0; i--)
+		while (!ret && !io_is_done(&ios[i - 1]))
+			if (engine_progress(eng, &ios[i - 1], -1, true) == -ECHILD)
 				ret = -ECHILD;
 	if (v != small)
 		free(v);

@@ -122,6 +122,7 @@ static int file_attach(phx_engine *eng, int fd, bool owns, int acc,
 	f->readable = acc != O_WRONLY;
 	f->writable = acc != O_RDONLY;
 	f->can_read_back = (fl & O_ACCMODE) != O_WRONLY;
+	f->bounded = S_ISREG(st.st_mode) || S_ISBLK(st.st_mode);
 	f->alt_fd = -1;
 	file_alignment(f);
 	f->folio_align = folio_granule(f, &st);

@@ -88,6 +88,8 @@ struct phx_file {
 	bool readable;
 	bool writable;
 	bool can_read_back;	/* the fd is readable: partial blocks can be RMW'd */
+	bool bounded;		/* a regular file or block device: its ops end by
+				 * themselves (a FIFO's may wait for a writer) */
 	int slot;		/* registered-file index, or -1 */
 	uint32_t mem_align;
 	uint32_t offset_align;
@@ -148,6 +150,11 @@ struct chunk {
 	struct phx_io *io;
 	struct chunk *next_free;
 	struct chunk *next_op;	/* threads backend: its queue of device ops */
+	/* threads backend: contiguous reads queued as one preadv2 (a run) */
+	struct chunk *run_next;	/* the next op of this one's run */
+	struct chunk *run_last;	/* (a run's first op) its last op */
+	uint32_t run_n;		/* (a run's first op) ops in the run */
+	uint64_t run_bytes;	/* (a run's first op) the bytes they move */
 	uint8_t kind;		/* enum chunk_kind */
 	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
 	bool in_use;
@@ -215,16 +222,28 @@ struct be_uring_state {
 	int64_t spin_ns;	/* how long a reaper spins before sleeping */
 };
 
+/* A thread asleep in be_threads.c's progress, on its stack. */
+struct threads_waiter {
+	struct phx_io *io;	/* what it waits for; NULL: any request's end */
+	struct threads_waiter *next;
+};
+
 /* be_threads.c's state of an engine (all under eng->lock). */
 struct be_threads_state {
 	pthread_cond_t work;	/* idle workers sleep here */
 	struct chunk *head, *tail;	/* device ops no worker has taken */
+	struct threads_waiter *waiters;	/* callers asleep on eng->cond */
 	uint32_t fresh;		/* ops queued since the last hand-over */
 	uint32_t max;		/* most workers (phx_engine_config.io_threads) */
 	uint32_t nthreads;	/* workers started (started lazily, up to max) */
 	uint32_t idle;		/* of those, asleep on work */
 	uint32_t woken;		/* of those, signalled and not yet awake */
+	uint32_t running;	/* of those, running an op */
 	uint64_t busy_bytes;	/* of the reads and writes running now */
+	uint32_t runs;		/* runs in progress (workers' and callers') */
+	uint32_t ncpu;		/* CPUs this process may run on */
+	uint32_t sample_tick;	/* runs since the last sleep sample */
+	int32_t sleep_score;	/* sampled runs that slept minus those that did not */
 	pthread_t *tids;
 	bool tick_queued;	/* a tick waits for a worker */
 	bool stop;
