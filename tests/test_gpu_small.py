@@ -72,6 +72,21 @@ def test_c_many_against_fake_cuda(many_build, fake_libcuda, tmp_path, exe, batch
     assert "all passed" in r.stdout
 
 
+# The fake device memory both scripts use: what CuPy or Numba hand phx.gpu (an
+# address, a size, no stream), and the host view the fake gives of it.
+_DEV = textwrap.dedent(r"""
+    class Dev:
+        def __init__(self, n):
+            p = ctypes.c_uint64()
+            assert lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)) == 0
+            self.ptr, self.n = p.value, n
+            self.__cuda_array_interface__ = {"data": (p.value, False), "shape": (n,),
+                                             "typestr": "|u1", "version": 3, "stream": None}
+        def host(self):
+            return np.ctypeslib.as_array((ctypes.c_ubyte * self.n).from_address(self.ptr))
+""").lstrip("\n")
+
+
 PY_MANY = textwrap.dedent(r"""
     import ctypes, errno, os, sys, threading
     import numpy as np
@@ -83,16 +98,7 @@ PY_MANY = textwrap.dedent(r"""
     d = sys.argv[1]
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
 
-    class Dev:
-        # what CuPy or Numba hand phx.gpu: an address, a size, no stream
-        def __init__(self, n):
-            p = ctypes.c_uint64()
-            assert lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)) == 0
-            self.ptr, self.n = p.value, n
-            self.__cuda_array_interface__ = {"data": (p.value, False), "shape": (n,),
-                                             "typestr": "|u1", "version": 3, "stream": None}
-        def host(self):
-            return np.ctypeslib.as_array((ctypes.c_ubyte * self.n).from_address(self.ptr))
+    __DEV__
 
     def plan(n, maxlen, fsize):
         # random unaligned pieces, shuffled back to back in the GPU buffer with gaps
@@ -252,7 +258,7 @@ PY_MANY = textwrap.dedent(r"""
             assert (oh[go2[i]:go2[i] + bb] == ch[go[i]:go[i] + bb]).all(), i
     ctx.close()
     print("python ok")
-""")
+""").replace("__DEV__\n", _DEV)
 
 
 def test_python_many_against_fake_cuda(fake_cuda, tmp_path):
@@ -272,15 +278,7 @@ PY_ENOSPC = textwrap.dedent(r"""
     d = sys.argv[1]                     # an 8 MiB tmpfs
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
 
-    class Dev:
-        def __init__(self, n):
-            p = ctypes.c_uint64()
-            assert lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)) == 0
-            self.ptr, self.n = p.value, n
-            self.__cuda_array_interface__ = {"data": (p.value, False), "shape": (n,),
-                                             "typestr": "|u1", "version": 3, "stream": None}
-        def host(self):
-            return np.ctypeslib.as_array((ctypes.c_ubyte * self.n).from_address(self.ptr))
+    __DEV__
 
     eng = phx.Engine()
     phx.gpu.context(eng, 0, lanes=2, bufs_per_lane=2, buf_size=256 << 10)
@@ -320,7 +318,7 @@ PY_ENOSPC = textwrap.dedent(r"""
             r = int(res[i])
             assert (h[i * bb:i * bb + r] == src.host()[i * bb:i * bb + r]).all(), i
     print("enospc ok", failed.size, ok.size)
-""")
+""").replace("__DEV__\n", _DEV)
 
 
 def test_failed_write_pieces_never_read_as_data(fake_cuda, tmp_path):
