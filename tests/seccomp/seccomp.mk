@@ -15,7 +15,7 @@ NO_IO_URING := $(SECCOMP_DIR)/no-io-uring
 SECCOMP_PYTESTS := tests/test_engine_fallback.py tests/test_io_sync.py \
 	tests/test_io_async.py tests/test_io_batch.py tests/test_io_many.py \
 	tests/test_io_buffers.py tests/test_io_stats.py tests/test_io_pagecache.py \
-	tests/test_errors.py tests/test_write_path.py tests/test_gpu_fake.py \
+	tests/test_errors.py tests/test_write_path.py tests/test_gpu_fake.py tests/test_gpu_small.py \
 	tests/test_lmcache_fake.py tests/test_loader.py tests/test_loader_fake.py
 
 .PHONY: test-seccomp
