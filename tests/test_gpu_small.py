@@ -321,6 +321,50 @@ PY_ENOSPC = textwrap.dedent(r"""
 """).replace("__DEV__\n", _DEV)
 
 
+PY_DONE_MEANS_DATA = textwrap.dedent(r"""
+    import ctypes, os, sys
+    import numpy as np
+    import phx, phx.gpu
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    d = sys.argv[1]
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+
+    __DEV__
+
+    data = rng.integers(1, 256, 4 << 20, dtype=np.uint8)
+    path = os.path.join(d, "done.bin")
+    data.tofile(path)
+    s = ctypes.c_void_p()
+    assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+    n, bb = 24, 9000
+    fo = rng.choice((len(data) - bb) // bb, n, replace=False).astype(np.int64) * bb + 3
+    with phx.open(path, "r") as f:
+        for _ in range(3):
+            buf = Dev(n * bb)
+            buf.host()[:] = 0
+            op = phx.gpu.read_many_async(buf, f, fo, bb, None, stream=s.value)
+            assert (op.result(timeout=60) == bb).all()
+            h = buf.host().copy()       # at once: no stream synchronisation
+            for i, o in enumerate(fo.tolist()):
+                assert (h[i * bb:(i + 1) * bb] == data[o:o + bb]).all(), i
+    lib.cuStreamSynchronize(s)
+    print("done ok")
+""").replace("__DEV__\n", _DEV)
+
+
+def test_stream_batch_result_means_the_data_is_there(fake_cuda, tmp_path):
+    """read_many_async(...).result() returns once every piece's copy ran, not
+    when its result is final (results come before the stream's copy kernel):
+    the fake's kernels run 20 ms late (FAKE_CUDA_KERNEL_DELAY_US), and the
+    buffer is read at once on the host."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_cuda), FAKE_CUDA_KERNEL_DELAY_US="20000")
+    r = subprocess.run([sys.executable, "-c", PY_DONE_MEANS_DATA, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "done ok" in r.stdout
+
+
 def test_failed_write_pieces_never_read_as_data(fake_cuda, tmp_path):
     """ENOSPC mid-batch (8 MiB tmpfs; root): the failed pieces' ranges are bad,
     reading them fails with EIO and writes no GPU byte."""

@@ -371,7 +371,15 @@ struct phx_cuda_many {
 	void *stream;			/* CUstream; see each call */
 	uint32_t flags;			/* PHX_CUDA_MANY_* */
 	uint32_t reserved32;
-	uint64_t reserved[4];
+	/*
+	 * phx_cuda_many_async(), optional: set to n by the call, less one
+	 * (atomically) as each piece is over - its GPU copies have run on the
+	 * stream, so a read's bytes are in the buffer - or was never queued.
+	 * 0: every piece is over.  (->results are final earlier: once the
+	 * stream is committed to passing a piece, before its last copy.)
+	 */
+	int64_t *pending;
+	uint64_t reserved[3];
 };
 
 enum {
@@ -396,7 +404,9 @@ int64_t phx_cuda_many(phx_cuda *cu, const struct phx_cuda_many *m);
  * per piece, pieces in index order; unlike phx_cuda_read_async() the
  * offsets and lengths are copied now (only ->results is written later).
  * ->results is required: each is -EINPROGRESS until the stream has passed
- * its piece, and must stay valid until then.  0 once all are queued; on an
+ * its piece, and must stay valid until then.  A host thread waiting for the
+ * data waits for ->pending to reach 0 (or synchronises the stream): a final
+ * result alone does not mean the copy ran.  0 once all are queued; on an
  * error the pieces before the one refused stay queued, and the results of
  * it and of those after it are that error.
  */

@@ -207,18 +207,27 @@ CU_EXPORT int64_t phx_cuda_many(phx_cuda *c, const struct phx_cuda_many *m)
  */
 struct many_args {
 	int refs;			/* pieces not released, + the call (atomic) */
+	int64_t *pending;		/* the caller's ->pending, or NULL */
 	size_t *lens;
 	int64_t *foff;
 	int64_t *doff;
 };
 
-static void many_args_put(void *arg, int64_t result)
+static void many_args_drop(struct many_args *a, int refs)
+{
+	if (__atomic_sub_fetch(&a->refs, refs, __ATOMIC_ACQ_REL) == 0)
+		free(a);
+}
+
+/* A piece is released (its GPU copies ran): ->pending tells the caller. */
+static void many_piece_over(void *arg, int64_t result)
 {
 	struct many_args *a = arg;
 
 	(void)result;
-	if (__atomic_sub_fetch(&a->refs, 1, __ATOMIC_ACQ_REL) == 0)
-		free(a);
+	if (a->pending)
+		__atomic_sub_fetch(a->pending, 1, __ATOMIC_RELEASE);
+	many_args_drop(a, 1);
 }
 
 static struct many_args *many_args_new(const struct phx_cuda_many *m)
@@ -240,6 +249,9 @@ static struct many_args *many_args_new(const struct phx_cuda_many *m)
 		a->doff[i] = m->dev_offsets[i];
 	}
 	a->refs = (int)m->n + 1;
+	a->pending = m->pending;
+	if (a->pending)
+		__atomic_store_n(a->pending, (int64_t)m->n, __ATOMIC_RELEASE);
 	return a;
 }
 
@@ -270,7 +282,7 @@ CU_EXPORT int phx_cuda_many_async(phx_cuda *c, const struct phx_cuda_many *m)
 	stat_add(c, &c->st.many_pieces, m->n);
 	for (i = 0; i < m->n; i++) {
 		ret = cu_async_owned(c, m->file, m->op, m->devptr, &a->lens[i], &a->foff[i],
-				     &a->doff[i], &m->results[i], m->stream, many_args_put, a);
+				     &a->doff[i], &m->results[i], m->stream, many_piece_over, a);
 		if (ret)
 			break;
 	}
@@ -279,11 +291,13 @@ CU_EXPORT int phx_cuda_many_async(phx_cuda *c, const struct phx_cuda_many *m)
 
 		for (k = i; k < m->n; k++)
 			m->results[k] = ret;
-		/* the pieces never queued will never drop their references */
+		/* the pieces never queued are over, and drop no reference later */
+		if (a->pending)
+			__atomic_sub_fetch(a->pending, (int64_t)(m->n - i), __ATOMIC_RELEASE);
 		__atomic_sub_fetch(&a->refs, (int)(m->n - i), __ATOMIC_ACQ_REL);
 	}
 	stat_add(c, &c->st.ph_call_ns, (uint64_t)(phx_now_ns() - t0));
-	many_args_put(a, 0);
+	many_args_drop(a, 1);
 	return ret;
 }
 

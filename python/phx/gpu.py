@@ -716,9 +716,11 @@ def pwrite_many(buf: DeviceBuffer, file: _File, offsets: npt.ArrayLike,
 
 class StreamBatch(PhxFuture):
     """Stream-ordered pieces (:func:`read_many_async`): ``results`` is an
-    int64 array, -EINPROGRESS per piece until the stream has passed it.
-    ``result()`` waits on the host (polling the array: the pieces tell no
-    eventfd) and returns it, raising the first failure's OSError."""
+    int64 array, -EINPROGRESS per piece until the stream is past it.
+    ``result()`` waits on the host until every piece's copy has run (libphx
+    counts them down; a final result comes a little earlier, before the
+    stream's copy kernel; the pieces tell no eventfd, so it polls) and
+    returns the array, raising the first failure's OSError."""
 
     __slots__ = ("_h", "_write", "_fo", "_ln")
 

@@ -17,6 +17,7 @@
  * dead, every stream stops and every call returns 700, as with a sticky
  * error), fake_fail_launch() / fake_fail_write_value() (the (k+1)-th such
  * call from now fails: a stream op only partly queued).
+ * FAKE_CUDA_KERNEL_DELAY_US=N makes every phx_copy kernel run N us late.
  * FAKE_CUDA_NO_BATCH=1 hides cuMemcpyBatchAsync; FAKE_CUDA_NO_MEMOPS=1 makes
  * the stream memory operations fail; FAKE_CUDA_PTX_MAX=8.0 refuses PTX of
  * a newer ISA (a CUDA 12.0 driver).  cuMemGetAddressRange needs a current
@@ -509,6 +510,19 @@ struct stream {
 
 static long kernels_run;
 
+/* FAKE_CUDA_KERNEL_DELAY_US: each phx_copy kernel runs this much later */
+static useconds_t kernel_delay_us(void)
+{
+	static int v = -1;
+
+	if (v < 0) {
+		const char *s = getenv("FAKE_CUDA_KERNEL_DELAY_US");
+
+		v = s ? atoi(s) : 0;
+	}
+	return (useconds_t)v;
+}
+
 long fake_kernels_run(void)
 {
 	return __atomic_load_n(&kernels_run, __ATOMIC_RELAXED);
@@ -561,6 +575,8 @@ static void run_op(struct op *o)
 		/* phx_copy: the descriptor (in "GPU" memory) is read when it runs */
 		const volatile uint64_t *d = o->src;
 
+		if (kernel_delay_us())
+			usleep(kernel_delay_us());	/* a slow GPU: widen every race */
 		if (d[2])
 			memcpy((void *)(uintptr_t)d[1], (const void *)(uintptr_t)d[0], d[2]);
 		__atomic_add_fetch(&kernels_run, 1, __ATOMIC_RELAXED);

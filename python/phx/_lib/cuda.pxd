@@ -110,6 +110,7 @@ cdef extern from "phx_cuda.h" nogil:
         int64_t *results
         void *stream
         uint32_t flags
+        int64_t *pending
     int phx_cuda_many_check(const phx_cuda_many_s *m)
     int64_t phx_cuda_many(phx_cuda *cu, const phx_cuda_many_s *m)
     int phx_cuda_many_async(phx_cuda *cu, const phx_cuda_many_s *m)

@@ -266,18 +266,20 @@ cdef class Batch:
 @cython.auto_pickle(False)  # results libphx is writing: nothing to pickle
 cdef class ManyStream:
     """Stream-ordered pieces of one file and one GPU buffer (phx_cuda_many_async):
-    ``results`` (int64, one per piece) is -EINPROGRESS until the stream has
-    passed the piece, then its bytes or -errno.  The object holds the array
-    libphx writes and the buffer until every piece is final."""
+    ``results`` (int64, one per piece) is -EINPROGRESS until the stream is
+    past the piece, then its bytes or -errno.  The object holds the arrays
+    libphx writes and the buffer until every piece is over."""
     cdef readonly object results
+    cdef object pending                 # int64[1]: libphx's ->pending
     cdef object keep
     cdef readonly object path
 
     def done(self) -> bool:
-        """True once every piece's result is final (the stream passed them all)."""
-        if self.results is None:
+        """True once every piece is over: its GPU copies ran (a final result
+        alone comes before the copy; libphx counts ->pending down after)."""
+        if self.pending is None:
             return True
-        if (self.results == -_errno.EINPROGRESS).any():
+        if int(self.pending[0]) != 0:
             return False
         self.keep = None
         return True
@@ -602,9 +604,12 @@ cdef class Context:
         cdef int rc
         fo, do, ln = _i64(file_offsets, "file"), _i64(dev_offsets, "GPU"), _i64(lens, "len")
         res = np.full(fo.shape[0], -(2 ** 63), dtype=np.int64)
+        pending = np.zeros(1, dtype=np.int64)
         _many_fill(&m, file_addr, devptr, dev_len, fo, do, ln, res, write)
         m.stream = <void *>stream
+        m.pending = <int64_t *><uintptr_t>pending.ctypes.data
         h.results = res
+        h.pending = pending
         h.keep = keep
         h.path = path
         with nogil:
