@@ -88,3 +88,24 @@ def test_small_chunk_goals_and_phase_shares():
                   "done": 0.0}
     assert bench._phase_text({"phase_shares": sh}).startswith("io ")
     assert bench.phase_shares({}) == {k: 0.0 for k in bench.PHASES}
+
+
+def test_rows_for_batch_and_variants():
+    """--methods batch adds phx's per-piece API as a row of its own, and each
+    --phx-variant a phx row on a staging context with those switches; both
+    count as phx rows (checked byte for byte, phase counters kept)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--methods", "phx,batch", "--phx-variant", "batch_copy=0",
+                         "--phx-variant", "batch_copy=1,fixed_bufs=0"])
+    rows = bench._methods(args, False, "read", "chunks")
+    names = [r[0] for r in rows]
+    assert names == ["phx", "batch", "phx[batch_copy=0]", "phx[batch_copy=1,fixed_bufs=0]"]
+    assert rows[2][1]["batch_copy"] is False and rows[3][1]["fixed_bufs"] is False
+    assert rows[1][1]["api"] == "pread_batch"
+    assert [r[0] for r in bench._methods(args, False, "write", "seq")][:1] == ["phx"]
+    assert all(bench._is_phx_row(n) for n in names) and not bench._is_phx_row("host")
+    for bad in ("scatter=0", "batch_copy=2", "batch_copy", "lanes=4"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--phx-variant", bad])

@@ -4,7 +4,7 @@
 #
 #   tools/gpu_run.sh STEPS...     steps, in order: build test tune|tune-disk smoke seq chunks small probe
 #   (SEQ_SIZE, CHUNK_FILE, CHUNK_BYTES, SMALL_FILE, SMALL_BYTES, SMALL_TIMEOUT, TEST_TIMEOUT
-#   size the steps)
+#   size the steps; GPU_TESTS, SMALL_METHODS, SMALL_SIZES, SMALL_ARGS pick what they run)
 #
 # Carried (ignored by git, listed in .git/info/exclude): .devcarry/deb (Debian's
 # liburing-dev and liburing2 .debs: the box has no liburing headers) and
@@ -30,8 +30,8 @@ build() {
 tests() {
 	log tests
 	PHX_TEST_DIR=$TESTDIR timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra -p no:cacheprovider \
-		--timeout 120 --timeout-method=thread tests/test_gpu.py tests/test_gpu_basic.py tests/test_gpu_fake.py \
-		tests/test_gpu_small.py tests/test_gpu_many.py 2>&1 |
+		--timeout 120 --timeout-method=thread ${GPU_TESTS:-tests/test_gpu.py tests/test_gpu_basic.py \
+		tests/test_gpu_fake.py tests/test_gpu_small.py tests/test_gpu_many.py} 2>&1 |
 		tee -a "$LOG" | tail -40
 }
 
@@ -82,14 +82,16 @@ chunks() {
 		--json "$OUT/chunks.json" --plot "$OUT/chunks.png" 2>&1 | tee -a "$LOG" | tail -90
 }
 
-small() {	# issue 29: 4-64 KiB pieces, phx vs its host row (the device's rate) vs KvikIO
+small() {	# issue 29: 4-64 KiB pieces, phx vs its host row (the device's rate) vs KvikIO,
+	# beside phx's per-piece pread_batch (the "before" of the array calls)
 	log small-chunks bench
 	# 5 sizes x read/write x 4 rows x 5 repeats x disk and zram: ~400 rows;
 	# with a build in the same call the device's 600 s may run out: then
 	# `build` in one call and `small` alone in the next (the box stays warm)
 	timeout ${SMALL_TIMEOUT:-500} python3 -m phx bench gpu --pattern chunks --size ${SMALL_FILE:-1G} \
-		--chunk-sizes 4K,8K,16K,32K,64K --chunk-bytes ${SMALL_BYTES:-128M} --repeat 5 \
-		--methods phx,host,kvikio --kvikio-threads 16,64 --dir $BENCHDIR --zram 8G --quiet \
+		--chunk-sizes ${SMALL_SIZES:-4K,8K,16K,32K,64K} --chunk-bytes ${SMALL_BYTES:-128M} --repeat 5 \
+		--methods ${SMALL_METHODS:-phx,batch,host,kvikio} --kvikio-threads 16,64 \
+		${SMALL_ARGS:-} --dir $BENCHDIR --zram 8G --quiet \
 		--json "$OUT/small.json" --plot "$OUT/small.png" 2>&1 | tee -a "$LOG" | tail -90
 }
 

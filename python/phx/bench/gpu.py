@@ -18,6 +18,13 @@ follows another's writes), ``--repeat`` times (median and spread reported):
                    phx's time went (the context's ``ph_*`` counters: call,
                    pack, submit, io, copy, done) as shares, in the table's last
                    column and the JSON.
+* ``batch``        (chunks, not in the default set) phx's per-piece API from
+                   before the array calls: ``File.pread_batch`` /
+                   ``pwrite_batch`` with one GPU view per piece, same engine and
+                   phase counters: the "before" of issue 29 in the same run.
+* ``phx[k=v,..]``  ``--phx-variant``: ``phx`` on a staging context of its own
+                   with some switches changed (``batch_copy``, ``fixed_bufs``,
+                   ``early_reads``): how the copy paths compare in one run.
 * ``host``         the same pieces into page-locked host memory through phx's
                    engine (``File.pread_many`` / ``pwrite_many``), no GPU: the
                    rate the device gives phx's engine at this piece size,
@@ -89,10 +96,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=checked(positive_size), default="1G",
                    help="bytes moved per chunks (and stream) row (default 1G)")
     p.add_argument("--methods",
-                   type=checked(csv(str, allowed=("phx", "host", "raw", "naive", "kvikio"))),
+                   type=checked(csv(str, allowed=("phx", "batch", "host", "raw", "naive",
+                                                      "kvikio"))),
                    default="phx,host,raw,naive,kvikio",
-                   help="comma list of phx,host,raw,naive,kvikio (default all; host: "
-                        "chunks only)")
+                   help="comma list of phx,batch,host,raw,naive,kvikio (default all but "
+                        "batch; host and batch: chunks only)")
+    p.add_argument("--phx-variant", type=_variant, action="append", default=None,
+                   metavar="KEY=0|1[,...]",
+                   help="an extra phx row whose staging context has these switches "
+                        f"({', '.join(VARIANT_KEYS)}), e.g. batch_copy=0; "
+                        "repeatable")
     p.add_argument("--ops", type=checked(csv(str, allowed=("read", "write"))),
                    default="read,write", help="read,write (default both)")
     p.add_argument("--raw-threads", type=checked(csv(positive_int)), default="16,64",
@@ -355,10 +368,30 @@ def _phx_engine(ctx_cfg: dict, devices: tuple[int, ...] = ()):
     return _ENGINES[key]
 
 
+#: the staging context's on/off switches --phx-variant may set
+VARIANT_KEYS = ("batch_copy", "fixed_bufs", "early_reads")
+
+
+def _variant(text: str) -> dict[str, bool]:
+    """--phx-variant's KEY=0|1[,KEY=0|1...] as {key: bool}."""
+    out: dict[str, bool] = {}
+    for part in text.split(","):
+        key, eq, val = part.strip().partition("=")
+        if key not in VARIANT_KEYS or not eq or val not in ("0", "1"):
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: want KEY=0 or KEY=1 with KEY one of {', '.join(VARIANT_KEYS)}")
+        out[key] = val == "1"
+    return out
+
+
+def _is_phx_row(name: str) -> bool:
+    """Rows that run phx.gpu: checked byte for byte, phase counters kept."""
+    return name in ("phx", "batch") or name.startswith("phx[")
 #: the phase counters of struct phx_cuda_stats (issue 29), in pipeline order
 PHASES = ("call", "pack", "submit", "io", "copy", "done")
-#: (pattern name, op) -> the phase counters' growth over phx's rows, summed
-_PHASE_NS: dict[tuple[str, str], dict[str, int]] = {}
+#: (pattern name, op, method) -> the phase counters' growth over a phx row's
+#: runs, summed
+_PHASE_NS: dict[tuple[str, str, str], dict[str, int]] = {}
 _PHASE_LOCK = threading.Lock()
 
 
@@ -375,7 +408,11 @@ def phase_shares(ns: dict[str, int]) -> dict[str, float]:
     return {k: (ns.get(k, 0) / total if total else 0.0) for k in PHASES}
 
 
-def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict) -> float:
+def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict,
+           per_piece: bool = False, label: str = "phx") -> float:
+    """phx.gpu: one array call for chunks (``per_piece``: the older
+    ``pread_batch`` with one GPU view per piece), one call for seq; the
+    phase counters' growth is kept under ``label`` (the row's method)."""
     import phx
     import phx.gpu
     import torch
@@ -387,6 +424,10 @@ def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict) -> float:
     with phx.open(path, "r+" if write else "r", engine=eng) as f:
         if pat.name == "seq":
             n = [f.pwrite(gpu[:pat.total], 0) if write else f.pread(gpu[:pat.total], 0)]
+        elif per_piece:
+            reqs = [(gpu[b:b + s], o) for o, b, s in
+                    zip(pat.foffs.tolist(), pat.boffs.tolist(), pat.sizes.tolist())]
+            n = f.pwrite_batch(reqs) if write else f.pread_batch(reqs)
         elif write:
             n = phx.gpu.pwrite_many(gpu, f, pat.foffs, pat.sizes, pat.boffs).tolist()
         else:
@@ -396,7 +437,7 @@ def phx_io(path: str, pat: Pattern, gpu, write: bool, ctx_cfg: dict) -> float:
     dt = time.perf_counter() - t0
     ph1 = _phase_ns(eng, dev)
     with _PHASE_LOCK:
-        acc = _PHASE_NS.setdefault((pat.name, "write" if write else "read"), {})
+        acc = _PHASE_NS.setdefault((pat.name, "write" if write else "read", label), {})
         for k in PHASES:
             acc[k] = acc.get(k, 0) + ph1[k] - ph0[k]
     if sum(n) != pat.total:
@@ -553,9 +594,21 @@ def _methods(args, have_kvikio: bool, op: str, pattern: str) -> list[tuple[str, 
     w = op == "write"
     cfg = _ctx_cfg(args)
     rows: list[tuple[str, dict, Callable]] = []
+    api = ("pwrite_many" if w else "pread_many") if pattern == "chunks" else \
+        ("pwrite" if w else "pread")
     if "phx" in methods:
-        rows.append(("phx", dict(cfg, api="pread_many" if pattern == "chunks" else "pread"),
+        rows.append(("phx", dict(cfg, api=api),
                      lambda p, pat, g: phx_io(p, pat, g, w, cfg)))
+    if "batch" in methods and pattern == "chunks":
+        rows.append(("batch", dict(cfg, api="pwrite_batch" if w else "pread_batch"),
+                     lambda p, pat, g: phx_io(p, pat, g, w, cfg, per_piece=True,
+                                              label="batch")))
+    for var in args.phx_variant or []:
+        vcfg = dict(cfg, **var)
+        label = "phx[" + ",".join(f"{k}={int(v)}" for k, v in var.items()) + "]"
+        rows.append((label, dict(vcfg, api=api if "phx" in methods else None),
+                     lambda p, pat, g, vcfg=vcfg, label=label:
+                     phx_io(p, pat, g, w, vcfg, label=label)))
     if "host" in methods and pattern == "chunks":
         rows.append(("host", {"memory": "pinned",
                               "api": "File.pwrite_many" if w else "File.pread_many"},
@@ -674,9 +727,9 @@ def _run_patterns(args) -> int:
                         pat.total if not (name == "naive" and pat.name != "seq")
                         else pat.head(NAIVE_CAP).total)
                     runs[i].append((moved / dt / 1e9, cpu / (moved / 1e9)))
-                    if rep == 0 and name == "phx":
+                    if rep == 0 and _is_phx_row(name):
                         for t, g in zip(targets, gpus):
-                            _verify(t, g, pat, f"phx {pat.name} {op} on {g.device}")
+                            _verify(t, g, pat, f"{name} {pat.name} {op} on {g.device}")
                     bar.update(1)
             for i, (pat, op, name, cfg, _) in enumerate(plan):
                 gb = [r[0] for r in runs[i]]
@@ -688,8 +741,8 @@ def _run_patterns(args) -> int:
                        "op": op, "method": name, "config": cfg, "runs_gbps": gb,
                        "median_gbps": med, "spread": spread,
                        "cpu_s_per_gb": cpu_med}
-                if name == "phx":
-                    ns = _PHASE_NS.pop((pat.name, op), {})
+                if _is_phx_row(name):
+                    ns = _PHASE_NS.pop((pat.name, op, name), {})
                     row["phase_ns"] = ns
                     row["phase_shares"] = phase_shares(ns)
                 results.append(row)
@@ -818,7 +871,8 @@ def _plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     panels = sorted({(r["device"], r["op"]) for r in results})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
-    colors = {"phx": "tab:red", "host": "tab:orange", "raw-odirect": "tab:gray",
+    colors = {"phx": "tab:red", "batch": "tab:pink", "host": "tab:orange",
+              "raw-odirect": "tab:gray",
               "naive": "tab:brown", "kvikio": "tab:blue"}
     for ax, (dev, op) in zip(axes[0], panels):
         rs = [r for r in results if r["device"] == dev and r["op"] == op]
