@@ -177,24 +177,14 @@ def write_checkpoint(d: str, c: dict, rng) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.fixture(scope="module", params=sorted(SETUPS))
-def ranks(request, tmp_path_factory):
-    import numpy as np
-    config, tp, pp, ep = SETUPS[request.param]
-    d = str(tmp_path_factory.mktemp(request.param))
-    sd = write_checkpoint(d, config, np.random.default_rng(2024))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="INFO",
-               PYTHONPATH=os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), SITE) if p]))
+def _launch_ranks(env, d, world, tp, pp, ep, outs):
+    """One process per rank on a fresh port; their return codes and logs."""
     port = _free_port()
-    world = tp * pp
-    procs, outs = [], []
-    for r in range(world):
-        out = os.path.join(d, f"rank{r}.json")
-        outs.append(out)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), str(world), str(tp), str(pp), "1" if ep else "0",
-             d, str(port), out],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", RANK, str(r), str(world), str(tp), str(pp), "1" if ep else "0",
+         d, str(port), outs[r]],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -203,6 +193,30 @@ def ranks(request, tmp_path_factory):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return procs, logs
+
+
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def ranks(request, tmp_path_factory):
+    import numpy as np
+    config, tp, pp, ep = SETUPS[request.param]
+    d = str(tmp_path_factory.mktemp(request.param))
+    sd = write_checkpoint(d, config, np.random.default_rng(2024))
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="INFO",
+               PYTHONPATH=os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), SITE) if p]))
+    world = tp * pp
+    outs = [os.path.join(d, f"rank{r}.json") for r in range(world)]
+    # gloo's TCP rendezvous between the ranks has broken off under a loaded
+    # CI box ("DistNetworkError: Broken pipe" while making a process group,
+    # before any weight was read): one more try on a fresh port, for that
+    # error only; any other failure fails at once
+    for attempt in range(2):
+        procs, logs = _launch_ranks(env, d, world, tp, pp, ep, outs)
+        if all(p.returncode == 0 for p in procs) or attempt or not any(
+                p.returncode and "DistNetworkError" in log for p, log in zip(procs, logs)):
+            break
+        print(f"{request.param}: gloo rendezvous broke off; ranks started again",
+              file=sys.stderr)
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-6000:]
     total = sum(t.numel() * t.element_size() for t in sd.values())
