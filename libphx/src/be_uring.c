@@ -9,8 +9,15 @@
  * and wakes the others.  Threads that find a reaper at work sleep on the
  * condition variable instead.  Submission happens under the lock at any
  * time, so a reaper asleep in the kernel never delays new work.
+ *
+ * Where ops never sleep (a filesystem on zram, the page cache) the kernel
+ * runs each read or write to its end inside the io_uring_enter that submits
+ * it; large batches then go out mostly with IOSQE_ASYNC so that io_uring's
+ * io-wq workers run them on several CPUs ("Spreading", below).
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,6 +138,279 @@ static int uring_probe(char *why, size_t n)
 	return 0;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Spreading: ops that complete inside the submitting call                  */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A read from a filesystem on zram (or a page-cache hit on ext4, xfs) never
+ * sleeps: io_uring runs it to its end - the copy or decompression - inside
+ * the io_uring_enter that submits it, in the submitting thread.  (A raw
+ * zram device and tmpfs take no non-blocking I/O: io_uring hands each op
+ * to io-wq, which runs such work one op at a time; PHX_URING_SPREAD=1
+ * spreads them, auto does not see them.)  However deep the queue, one engine
+ * is then one CPU: on the 16-CPU H100 box, 4-64 KiB random pieces from
+ * ext4 on zram ran at 1.0-3.1 GB/s through one engine inline, 2.0-13.7
+ * spread (docs/bench-io.md, "Spreading").
+ *
+ * Such a device shows itself in a batch of at least SPREAD_MIN_BATCH reads
+ * and writes: its last one has completed when the call that submitted it
+ * returns (enter_sampled).  On a device that sleeps this cannot happen - the
+ * last op reached the device a microsecond before the call returned, and no
+ * device answers that fast - so earlier ops completing meanwhile (a fast
+ * NVMe drive) do not fool it.  A score of recent samples decides, as in
+ * be_threads.c, so that one batch does not flip it.
+ *
+ * On such a device a batch's reads and writes go out with IOSQE_ASYNC - the
+ * io-wq workers of the submitting thread run them in parallel - except a
+ * share of 1 / (workers + 1), last in the batch, that the submitting thread
+ * runs itself while the workers start on the rest: it stays busy rather
+ * than waking for each completion, and its last op is the next sample.
+ * Batches below SPREAD_MIN_BATCH stay inline (QD 1 above all): a hop to a
+ * worker and back costs a wake-up, as much as a small op; for the same
+ * reason small ops are spread only over many CPUs (SPREAD_MIN_SHARE).
+ *
+ * Workers only help on CPUs nobody else wants; where every CPU is busy
+ * they take turns with the threads already there, and each hop is a loss.
+ * So only batches whose submitting thread then waits for them are spread
+ * (phx_submit_wait; what a waiting thread submits while it reaps): one that
+ * submits and goes on (phx_submit, phx_poll) keeps its ops inline.  That
+ * is a GPU context's lanes, one thread and engine per CPU already: spread,
+ * 16 lanes on the 16-CPU H100 box read 64 KiB pieces at 11-14.5 GB/s
+ * instead of 16.  And a batch is cut for as many workers as CPUs are left
+ * by runnable threads that are not ours (spare_cpus: /proc/loadavg's count,
+ * read at most every SPREAD_LOAD_NS).
+ *
+ * PHX_URING_SPREAD: auto (the default), 0 (never), 1 (every large batch,
+ * whatever the device and the load; no samples).
+ */
+#define SPREAD_MIN_BATCH 8u
+#define SPREAD_SCORE_RANGE 4
+#define SPREAD_LOAD_NS 1000000
+/*
+ * A hop to a worker costs its CPU some microseconds (the 2-core box: about
+ * 4 per op).  It pays when the op's copy takes longer than that spread over
+ * the CPUs that share the batch: on that box (zram, QD 32) 4 KiB sequential
+ * reads ran 0.85x spread over 2 CPUs, random ones 1.0x, 16 KiB random ones
+ * 1.1x; on the 16-CPU H100 box 4 KiB random reads ran 2.0x.  So the mean op of an automatically spread batch times the CPUs it
+ * is cut for must come to SPREAD_MIN_SHARE.
+ */
+#define SPREAD_MIN_SHARE (32u << 10)
+
+/* What a publication handed to the kernel, for the sample after the entry. */
+struct sq_batch {
+	uint64_t probe;		/* user_data of the last read/write it runs inline */
+	bool sample;		/* probe is set: submit, then look for it */
+};
+
+static uint32_t cpus_usable(void)
+{
+	cpu_set_t set;
+	long n;
+
+	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
+		return (uint32_t)CPU_COUNT(&set);
+	n = sysconf(_SC_NPROCESSORS_ONLN);
+	return n > 0 ? (uint32_t)n : 1;
+}
+
+static void spread_setup(struct be_uring_state *u)
+{
+	u->spread = phx_env_choice("PHX_URING_SPREAD", phx_spread_choices, SPREAD_AUTO);
+	/* not yet: two batches that complete inline turn it on */
+	u->inline_score = -1;
+	/* the submitting thread is the CPU the workers leave */
+	u->max_workers = cpus_usable() - 1;
+	if (!u->max_workers && u->spread == SPREAD_ON)
+		u->max_workers = 1;
+	u->load_fd = u->spread == SPREAD_AUTO && u->max_workers ?
+		open("/proc/loadavg", O_RDONLY | O_CLOEXEC) : -1;
+}
+
+/* A sample (enter_sampled: 1 inline, 0 not, -1 none) moves the score (lock held). */
+static void spread_note(struct be_uring_state *u, int sample)
+{
+	if (sample > 0 && u->inline_score < SPREAD_SCORE_RANGE)
+		u->inline_score++;
+	else if (!sample && u->inline_score > -SPREAD_SCORE_RANGE)
+		u->inline_score--;
+}
+
+/* Runnable threads now, all processes, from /proc/loadavg ("0.1 0.2 0.3 R/T P"). */
+static int runnable_now(int fd)
+{
+	char buf[128], *p;
+	ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+
+	if (n <= 0)
+		return -1;
+	buf[n] = 0;
+	p = strchr(buf, '/');
+	while (p && p > buf && p[-1] >= '0' && p[-1] <= '9')
+		p--;
+	return p ? atoi(p) : -1;
+}
+
+/*
+ * CPUs that runnable threads other than this one leave idle (lock held).
+ * Read only while no op of ours is with io-wq, whose workers would count
+ * as others (and at most every SPREAD_LOAD_NS): a running pipeline keeps
+ * the figure of its start, an engine that pauses between batches (a GPU
+ * lane) renews it.  Smoothed, an instant's count being noisy.
+ */
+static uint32_t spare_cpus(struct be_uring_state *u)
+{
+	int64_t now;
+	int r;
+
+	if (u->load_fd < 0)
+		return u->max_workers;
+	now = phx_now_ns();
+	if (!u->async_inflight && now - u->load_at >= SPREAD_LOAD_NS) {
+		/* minus the reading thread */
+		r = runnable_now(u->load_fd) - 1;
+		if (r >= 0)
+			u->others16 = u->load_at ? u->others16 / 2 + 8 * (uint32_t)r :
+				      16 * (uint32_t)r;
+		u->load_at = now;
+	}
+	r = (int)u->max_workers - (int)((u->others16 + 8) / 16);
+	return r > 0 ? (uint32_t)r : 0;
+}
+
+/*
+ * The workers a large batch is cut for (lock held): none while the device
+ * sleeps or no CPU is spare.
+ */
+static uint32_t spread_workers(struct be_uring_state *u)
+{
+	switch (u->spread) {
+	case SPREAD_ON:
+		return u->max_workers;
+	case SPREAD_AUTO:
+		if (u->inline_score > 0)
+			return spare_cpus(u);
+		/* fallthrough */
+	default:
+		return 0;
+	}
+}
+
+/*
+ * io-wq runs a file read or write sent with IOSQE_ASYNC as unbounded work
+ * (its file is looked up only when it runs), of which it starts up to
+ * RLIMIT_NPROC workers per submitting thread; bounded work up to min(ring
+ * entries, 4 x CPUs).  Spread ops never sleep, so workers beyond those the
+ * batch is cut for only take turns with them: on the 2-core box 8 of them
+ * ran at once, and one did as much.  Both kinds are capped there.  The cap
+ * is io-wq's: it holds for every ring of each thread that uses this one
+ * (blocking work of theirs too, sockets say), from the first spread batch
+ * (a sleeping device never sets it) until the engine is destroyed, when
+ * the limits it found come back.  A failure (Linux < 5.15) leaves them.
+ */
+static void iowq_cap(struct be_uring_state *u, uint32_t w)
+{
+	unsigned vals[2] = { w, w };
+
+	if (w == u->iowq_cap)
+		return;
+	if (io_uring_register_iowq_max_workers(&u->ring, vals) < 0)
+		return;
+	if (!u->iowq_cap) {
+		u->iowq_found[0] = vals[0];
+		u->iowq_found[1] = vals[1];
+	}
+	u->iowq_cap = w;
+}
+
+/* At teardown: the limits the first cap found, for the threads that used us. */
+static void iowq_restore(struct be_uring_state *u)
+{
+	if (u->iowq_cap)
+		io_uring_register_iowq_max_workers(&u->ring, u->iowq_found);
+}
+
+static bool sqe_is_rw(const struct io_uring_sqe *sqe)
+{
+	switch (sqe->opcode) {
+	case IORING_OP_READ:
+	case IORING_OP_READ_FIXED:
+	case IORING_OP_WRITE:
+	case IORING_OP_WRITE_FIXED:
+		return true;
+	default:
+		return false;
+	}
+}
+
+/*
+ * The SQEs about to be published (lock held): the first of a large batch's
+ * reads and writes to io-wq when spreading and the submitting thread then
+ * waits (@waiter); the last one run inline is the sample in auto mode.
+ */
+static void spread_mark(phx_engine *eng, struct sq_batch *b, bool waiter)
+{
+	struct be_uring_state *u = &eng->u.uring;
+	struct io_uring_sq *sq = &u->ring.sq;
+	unsigned i, nrw = 0, nasync = 0;
+	struct io_uring_sqe *sqe;
+	uint64_t bytes = 0;
+	uint32_t w;
+
+	if (u->spread == SPREAD_OFF)
+		return;
+	for (i = sq->sqe_head; i != sq->sqe_tail; i++) {
+		sqe = &sq->sqes[i & sq->ring_mask];
+		if (sqe_is_rw(sqe)) {
+			nrw++;
+			bytes += sqe->len;
+		}
+	}
+	if (nrw < SPREAD_MIN_BATCH)
+		return;
+	w = waiter ? spread_workers(u) : 0;
+	if (u->spread == SPREAD_AUTO && bytes / nrw * (w + 1) < SPREAD_MIN_SHARE)
+		w = 0;
+	if (w) {
+		nasync = nrw - (nrw + w) / (w + 1);
+		iowq_cap(u, w);
+	}
+	for (i = sq->sqe_head; i != sq->sqe_tail; i++) {
+		sqe = &sq->sqes[i & sq->ring_mask];
+		if (!sqe_is_rw(sqe))
+			continue;
+		if (nasync) {
+			struct chunk *c = (struct chunk *)(uintptr_t)sqe->user_data;
+
+			sqe->flags |= IOSQE_ASYNC;
+			c->uring_async = true;
+			u->async_inflight++;
+			u->async_sqes++;
+			nasync--;
+		} else {
+			b->probe = sqe->user_data;
+		}
+	}
+	b->sample = u->spread == SPREAD_AUTO;
+}
+
+/*
+ * Whether the completion of @probe was posted at or after CQ index @from
+ * (the reaping role or the lock held: nobody consumes completions now).
+ */
+static bool cq_posted_since(struct io_uring *ring, unsigned from, uint64_t probe)
+{
+	unsigned tail = io_uring_smp_load_acquire(ring->cq.ktail);
+
+	/* inline ops complete in order: the probe is at the end */
+	while (tail != from) {
+		tail--;
+		if (ring->cq.cqes[tail & ring->cq.ring_mask].user_data == probe)
+			return true;
+	}
+	return false;
+}
+
 static int uring_setup(phx_engine *eng)
 {
 	struct be_uring_state *u = &eng->u.uring;
@@ -156,6 +436,7 @@ static int uring_setup(phx_engine *eng)
 	}
 	u->tick_ts.tv_nsec = PHX_TICK_NS;
 	u->spin_ns = phx_env_u32("PHX_SPIN_NS", 0);
+	spread_setup(u);
 	fixed_files_setup(eng);
 	fixed_bufs_setup(eng);
 	return 0;
@@ -163,7 +444,10 @@ static int uring_setup(phx_engine *eng)
 
 static void uring_teardown(phx_engine *eng)
 {
+	iowq_restore(&eng->u.uring);
 	io_uring_queue_exit(&eng->u.uring.ring);
+	if (eng->u.uring.load_fd >= 0)
+		close(eng->u.uring.load_fd);
 }
 
 static int uring_eventfd(phx_engine *eng, int fd)
@@ -241,11 +525,13 @@ static void uring_queue(phx_engine *eng, struct chunk *c)
  * Several threads may enter at once; each submits what it finds, so counts
  * are only ever a hint.
  */
-static unsigned sq_publish(phx_engine *eng)
+static unsigned sq_publish(phx_engine *eng, struct sq_batch *b, bool waiter)
 {
 	struct io_uring_sq *sq = &eng->u.uring.ring.sq;
 
+	b->sample = false;
 	if (sq->sqe_head != sq->sqe_tail) {
+		spread_mark(eng, b, waiter);
 		sq->sqe_head = sq->sqe_tail;
 		__atomic_store_n(sq->ktail, sq->sqe_tail, __ATOMIC_RELEASE);
 	}
@@ -292,13 +578,34 @@ static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 	return ret;
 }
 
-static void uring_submit(phx_engine *eng)
+/*
+ * Submit @n published SQEs without waiting and take @b's sample: *@sample
+ * is 1 when its probe completed within the call, 0 when not, -1 when there
+ * is none.  Returns ring_enter()'s result.
+ */
+static int enter_sampled(phx_engine *eng, unsigned n, const struct sq_batch *b,
+			 int *sample)
 {
+	struct io_uring *ring = &eng->u.uring.ring;
+	unsigned from = io_uring_smp_load_acquire(ring->cq.ktail);
+	int ret = ring_enter(eng, n, 0);
+
+	*sample = -1;
+	if (b->sample && ret > 0)
+		*sample = cq_posted_since(ring, from, b->probe);
+	return ret;
+}
+
+/* Hand what is queued to the kernel; @waiter: the calling thread then waits. */
+static void submit_now(phx_engine *eng, bool waiter)
+{
+	struct sq_batch b;
 	unsigned n;
+	int sample;
 
 	if (!eng->unsubmitted && !io_uring_sq_ready(&eng->u.uring.ring))
 		return;
-	n = sq_publish(eng);
+	n = sq_publish(eng, &b, waiter);
 	if (!n)
 		return;
 	eng->st.submits++;
@@ -307,7 +614,18 @@ static void uring_submit(phx_engine *eng)
 	 * reaped) leave the SQEs in the ring: the reaper submits them again
 	 * once it has reaped (uring_progress), with the lock dropped.
 	 */
-	ring_enter(eng, n, 0);
+	enter_sampled(eng, n, &b, &sample);
+	spread_note(&eng->u.uring, sample);
+}
+
+/*
+ * From submit_locked (engine.c): phx_submit_wait's caller waits for what it
+ * submits, phx_submit's goes on with its own work (a GPU lane: one thread
+ * per CPU already) and keeps its ops inline.
+ */
+static void uring_submit(phx_engine *eng)
+{
+	submit_now(eng, eng->submit_waits);
 }
 
 /* Fires after PHX_TICK_NS so that a chunk waiting on a claim is retried. */
@@ -351,6 +669,19 @@ static unsigned reap_locked(phx_engine *eng)
 				eng->inflight--;
 				continue;
 			}
+			if (((struct chunk *)data)->uring_async) {
+				((struct chunk *)data)->uring_async = false;
+				u->async_inflight--;
+			}
+			/*
+			 * io-wq dropped the op before it ran: the thread whose
+			 * io-wq held it exited (a thread submits whatever is
+			 * queued, other threads' ops too, and spreading sends
+			 * many there).  libphx cancels nothing, so that is all
+			 * -ECANCELED can mean here: run it again, as -EAGAIN.
+			 */
+			if (res == -ECANCELED)
+				res = -EAGAIN;
 			io_complete_op(eng, data, res);
 		}
 		total += n;
@@ -383,22 +714,26 @@ static int enter_backoff(phx_engine *eng, int ret, bool in_kernel)
  * follows within microseconds; spinning that long before sleeping saves a
  * wake-up at the price of CPU time (PHX_SPIN_NS; default 0, never spin).
  */
-static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel)
+static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel,
+		       const struct sq_batch *b, int *sample)
 {
 	struct be_uring_state *u = &eng->u.uring;
+	/* A batch to sample is submitted first and waited for after. */
+	bool apart = u->spin_ns || b->sample;
 	int64_t until;
 	int ret;
 
-	if (io_uring_cq_ready(&u->ring))
-		ret = n ? ring_enter(eng, n, 0) : 0;
-	else if (!u->spin_ns)
+	*sample = -1;
+	if (!apart && !io_uring_cq_ready(&u->ring))
 		ret = ring_enter(eng, n, 1);
 	else
-		ret = n ? ring_enter(eng, n, 0) : 0;
+		ret = n ? enter_sampled(eng, n, b, sample) : 0;
 	if (ret == -EAGAIN || ret == -EBUSY)
 		return enter_backoff(eng, ret, in_kernel);
-	if (ret < 0 || !u->spin_ns || io_uring_cq_ready(&u->ring))
+	if (ret < 0 || !apart || io_uring_cq_ready(&u->ring))
 		return ret;
+	if (!u->spin_ns)
+		return ring_enter(eng, 0, 1);
 	until = phx_now_ns() + u->spin_ns;
 	do {
 		if (io_uring_cq_ready(&u->ring))
@@ -427,12 +762,12 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 	for (;;) {
 		io_fill(eng);
 		if (io && io_is_done(io)) {
-			uring_submit(eng);
+			submit_now(eng, block);
 			break;
 		}
 		/* A future reaper submits as it waits; everyone else now. */
 		if (u->reaping || !block || deadline >= 0 || !eng->inflight)
-			uring_submit(eng);
+			submit_now(eng, block);
 		if (u->reaping) {
 			if (!block)
 				break;
@@ -447,14 +782,16 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 		}
 		u->reaping = true;
 		if (block) {
-			unsigned n = sq_publish(eng);
+			struct sq_batch b;
+			unsigned n = sq_publish(eng, &b, true);
 			bool in_kernel = eng->inflight > n;
+			int sample = -1;
 
 			if (n)
 				eng->st.submits++;
 			pthread_mutex_unlock(&eng->lock);
 			if (deadline < 0) {
-				ret = reaper_wait(eng, n, in_kernel);
+				ret = reaper_wait(eng, n, in_kernel, &b, &sample);
 				ret = ret < 0 ? ret : 0;
 			} else {
 				int64_t left = deadline - phx_now_ns();
@@ -463,13 +800,14 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 					.tv_nsec = left > 0 ? left % 1000000000 : 0,
 				};
 
-				ret = n ? ring_enter(eng, n, 0) : 0;
+				ret = n ? enter_sampled(eng, n, &b, &sample) : 0;
 				if (ret == -EAGAIN || ret == -EBUSY)
 					ret = enter_backoff(eng, ret, in_kernel);
 				if (ret >= 0)
 					ret = io_uring_wait_cqe_timeout(&u->ring, &cqe, &kts);
 			}
 			pthread_mutex_lock(&eng->lock);
+			spread_note(u, sample);
 		} else if (eng->features & PHX_FEAT_DEFER_TASKRUN) {
 			/* Run deferred completion work without waiting. */
 			enter_once(eng, 0, 0);

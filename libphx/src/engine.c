@@ -655,7 +655,9 @@ PHX_EXPORT int phx_submit_wait(phx_engine *eng, struct phx_io *ios, size_t n)
 	for (i = 0; i < n; i++)
 		v[i] = &ios[i];
 	pthread_mutex_lock(&eng->lock);
+	eng->submit_waits = true;	/* the backend may spread what waits (be_uring.c) */
 	ret = submit_locked(eng, v, n, false);
+	eng->submit_waits = false;
 	pthread_mutex_unlock(&eng->lock);
 	/*
 	 * The last request first: a thread-pool engine's caller runs queued

@@ -43,12 +43,16 @@ static const char *const phx_settings[] = {
 /* PHX_ENGINE's values, indexed by enum phx_backend_kind (engine.c). */
 const char *const phx_engine_choices[] = { "auto", "uring", "threads", NULL };
 
+/* PHX_URING_SPREAD's values, indexed by enum uring_spread (be_uring.c). */
+const char *const phx_spread_choices[] = { "auto", "0", "1", NULL };
+
 /* The settings read with phx_env_choice(): one of a few names each. */
 static const struct {
 	const char *name;
 	const char *const *choices;
 } phx_choice_settings[] = {
 	{ "PHX_ENGINE", phx_engine_choices },
+	{ "PHX_URING_SPREAD", phx_spread_choices },
 };
 
 /* 0 and *out on success, -ENOENT when unset or empty, -EINVAL when unreadable. */

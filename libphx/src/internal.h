@@ -159,6 +159,7 @@ struct chunk {
 	uint8_t op;		/* device op: PHX_OP_READ/WRITE */
 	bool in_use;
 	bool alt;		/* on the file's buffered alt_fd */
+	bool uring_async;	/* io_uring backend: its op went out with IOSQE_ASYNC */
 	struct wrange wr;	/* a write's claim on its range (inode.c) */
 	int bounce;		/* bounce index, or -1 */
 	int buf_index;		/* fixed-buffer index, or -1 */
@@ -212,6 +213,10 @@ struct phx_backend {
 extern const struct phx_backend be_uring;
 extern const struct phx_backend be_threads;
 
+/* PHX_URING_SPREAD's values (be_uring.c: ops that complete inline -> io-wq). */
+enum uring_spread { SPREAD_AUTO, SPREAD_OFF, SPREAD_ON };
+extern const char *const phx_spread_choices[];	/* indexed by enum uring_spread */
+
 /* be_uring.c's state of an engine. */
 struct be_uring_state {
 	struct io_uring ring;
@@ -220,6 +225,17 @@ struct be_uring_state {
 	int enter_fd;		/* ring fd, or its registered index */
 	unsigned enter_flags;	/* IORING_ENTER_REGISTERED_RING when registered */
 	int64_t spin_ns;	/* how long a reaper spins before sleeping */
+	uint8_t spread;		/* enum uring_spread (PHX_URING_SPREAD) */
+	int32_t inline_score;	/* sampled batches whose ops completed inside the
+				 * submitting call minus those whose did not */
+	uint32_t max_workers;	/* the CPUs beside the submitting thread */
+	uint32_t iowq_cap;	/* io-wq's workers as last capped (0: never) */
+	unsigned iowq_found[2];	/* io-wq's limits before the first cap */
+	uint32_t async_inflight;	/* our ops sent with IOSQE_ASYNC, not reaped */
+	uint64_t async_sqes;	/* ops ever sent with IOSQE_ASYNC (tests) */
+	int load_fd;		/* /proc/loadavg, or -1 */
+	int64_t load_at;	/* when it was last read (phx_now_ns) */
+	uint32_t others16;	/* runnable threads not ours, x16, smoothed */
 };
 
 /* A thread asleep in be_threads.c's progress, on its stack. */
@@ -259,6 +275,8 @@ struct phx_engine {
 	uint32_t inflight;	/* chunks prepared or submitted (and a tick) */
 	uint32_t unsubmitted;	/* ops queued but not yet handed over (uring) */
 	bool tick_armed;	/* a retry tick is in flight (see io_fill) */
+	bool submit_waits;	/* the submission under way is phx_submit_wait's: its
+				 * caller waits for it (be_uring.c spreads only such) */
 	pid_t owner_tid;	/* PHX_ENGINE_SINGLE_THREAD: the only thread allowed */
 	pid_t pid;		/* the process that created it (a fork's copy is not it) */
 

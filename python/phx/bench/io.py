@@ -20,6 +20,10 @@ Engines
   phx-threads  the same on libphx's thread-pool backend
           (``phx.Engine(backend="threads")``: preadv2/pwritev2 workers, what
           phx falls back to where io_uring is refused, docs/design.md).
+  phx-inline, phx-spread  (not run unless named) the phx row with its
+          engine made under ``PHX_URING_SPREAD=0`` / ``=1``: large batches
+          never / always sent to io_uring's io-wq workers, where the phx row
+          decides by itself (be_uring.c, "Spreading"; docs/bench-io.md).
   fio     fio's io_uring engine at its strongest (see :mod:`phx.bench._fio`):
           fixed buffers, registered file, phx's submit batching, every ready
           completion reaped at once, no buffer scrambling, no latency
@@ -83,6 +87,9 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 ENGINES = ("phx", "phx-threads", "fio", "preadv")
+#: named with --methods only: the phx row with spreading off / forced
+#: (PHX_URING_SPREAD at the engine's creation)
+SPREAD_ENGINES = {"phx-inline": "0", "phx-spread": "1"}
 OPS = _fio.OPS
 
 DEFAULT_SIZE = "1g"
@@ -106,7 +113,8 @@ QUICK_REPEATS = 3
 #: Seconds a run costs beyond --runtime (process start, engine setup, the
 #: page-cache drop per row), for the estimate printed at the start; measured
 #: on the 2-core development box (0.24 s per run on average).
-RUN_OVERHEAD_S = {"fio": 0.35, "phx": 0.15, "phx-threads": 0.15, "preadv": 0.15}
+RUN_OVERHEAD_S = {"fio": 0.35, "phx": 0.15, "phx-threads": 0.15, "preadv": 0.15,
+                  "phx-inline": 0.15, "phx-spread": 0.15}
 TEST_FILE_WRITE_GBPS = 0.5  # for the same estimate
 
 
@@ -181,8 +189,9 @@ def _op(text: str) -> str:
 
 def _engine(text: str) -> str:
     t = text.strip()
-    if t not in ENGINES:
-        raise ValueError(f"unknown engine {t!r} (choose from {', '.join(ENGINES)})")
+    if t not in ENGINES and t not in SPREAD_ENGINES:
+        raise ValueError(f"unknown engine {t!r} (choose from "
+                         f"{', '.join((*ENGINES, *SPREAD_ENGINES))})")
     return t
 
 
@@ -215,7 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"short runs: --runtime {QUICK_RUNTIME:g} --repeat {QUICK_REPEATS} "
                         f"unless given (figures too noisy for a verdict)")
     p.add_argument("--methods", dest="engines", type=_csv(_engine), default=list(ENGINES),
-                   help=f"engines, comma-separated (default {','.join(ENGINES)})")
+                   help=f"engines, comma-separated (default {','.join(ENGINES)}; also "
+                        f"{', '.join(SPREAD_ENGINES)}: phx with PHX_URING_SPREAD=0 / 1)")
     p.add_argument("--zram", metavar="SIZE", type=parse_size, default=None,
                    help="also run the same rows on ext4 on a new zram device of SIZE bytes "
                         "(e.g. 2g; at least --size + 10%% + 64m), made for the run and removed "
@@ -561,7 +571,7 @@ class PhxEngine:
     BUFFERS_PER_QD = 1
 
     def __init__(self, path: str, size: int, seed: int | None, register: bool,
-                 backend: str = "uring"):
+                 backend: str = "uring", spread: str | None = None):
         try:
             import phx
             phx.Engine  # noqa: B018 - a source tree without the built extension lacks it
@@ -572,6 +582,7 @@ class PhxEngine:
         self.phx, self.np = phx, np
         self.path, self.size, self.register = path, size, register
         self.backend = backend    # "uring" for the phx row, so it never falls back unseen
+        self.spread = spread      # PHX_URING_SPREAD for its engines; None: as set
         self.rng = np.random.default_rng(seed)
         self.version = getattr(phx, "__version__", "")
         self.registered: bool | None = None  # whether register_buffer worked (last run)
@@ -587,7 +598,18 @@ class PhxEngine:
                               "backend": self.backend}
         if bs > MiB:  # one device request per block, as fio issues it
             kw["max_io_size"] = bs
-        return self.phx.Engine(**kw)
+        if self.spread is None:
+            return self.phx.Engine(**kw)
+        # libphx reads it when the engine is made
+        old = os.environ.get("PHX_URING_SPREAD")
+        os.environ["PHX_URING_SPREAD"] = self.spread
+        try:
+            return self.phx.Engine(**kw)
+        finally:
+            if old is None:
+                del os.environ["PHX_URING_SPREAD"]
+            else:
+                os.environ["PHX_URING_SPREAD"] = old
 
     def run(self, op: str, bs: int, qd: int, runtime: float) -> Sample:
         phx, np = self.phx, self.np
@@ -857,7 +879,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     panels = list(dict.fromkeys((r["op"], r["bs"]) for r in results))
     engines = list(dict.fromkeys(r["engine"] for r in results))
     colours = {"phx": "tab:blue", "phx-threads": "tab:purple", "fio": "tab:orange",
-               "preadv": "tab:green"}
+               "preadv": "tab:green", "phx-inline": "tab:cyan", "phx-spread": "tab:red"}
     ncols = min(3, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, squeeze=False,
@@ -940,9 +962,10 @@ def _make_runners(engines: list[str], path: str, size: int, seed: int, args,
                   submit_batch: int) -> dict[str, Any]:
     runners: dict[str, Any] = {}
     for e in engines:
-        if e in ("phx", "phx-threads"):
+        if e in ("phx", "phx-threads") or e in SPREAD_ENGINES:
             runners[e] = PhxEngine(path, size, seed, not args.no_register,
-                                   "threads" if e == "phx-threads" else "uring")
+                                   "threads" if e == "phx-threads" else "uring",
+                                   SPREAD_ENGINES.get(e))
         elif e == "fio":
             runners[e] = FioEngine(path, size, args.fio_args.split(), submit_batch)
         else:
