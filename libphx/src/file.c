@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -18,8 +19,32 @@
 #endif
 
 /*
+ * Whether the block device @dev is zram.  Its reads into memory that is not
+ * page aligned return the wrong bytes (kernel 6.18, ext4 on zram, O_DIRECT
+ * into a 512-aligned buffer at +512: the data lands shifted by the
+ * buffer's offset in its page, no error), though statx allows 512.
+ */
+static bool dev_is_zram(dev_t dev)
+{
+	char link[64], target[256];
+	ssize_t n;
+	const char *base;
+
+	snprintf(link, sizeof(link), "/sys/dev/block/%u:%u", major(dev), minor(dev));
+	n = readlink(link, target, sizeof(target) - 1);
+	if (n <= 0)
+		return false;
+	target[n] = '\0';
+	base = strrchr(target, '/');
+	base = base ? base + 1 : target;
+	return !strncmp(base, "zram", 4);
+}
+
+/*
  * O_DIRECT alignment from statx(STATX_DIOALIGN) (Linux >= 6.1); 4096 for
- * both where the kernel does not say, which every device accepts.
+ * both where the kernel does not say, which every device accepts.  Memory
+ * alignment is never below a page on zram (dev_is_zram): data that is
+ * wrong without an error is worse than a bounce.
  */
 static void file_alignment(phx_file *f)
 {
@@ -29,12 +54,17 @@ static void file_alignment(phx_file *f)
 	f->offset_align = PHX_PAGE;
 	f->align_from_statx = false;
 	memset(&stx, 0, sizeof(stx));
-	if (statx(f->fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+	if (statx(f->fd, "", AT_EMPTY_PATH, STATX_DIOALIGN | STATX_TYPE, &stx) == 0 &&
 	    (stx.stx_mask & STATX_DIOALIGN) && stx.stx_dio_offset_align &&
 	    stx.stx_dio_mem_align) {
 		f->mem_align = stx.stx_dio_mem_align;
 		f->offset_align = stx.stx_dio_offset_align;
 		f->align_from_statx = true;
+		if (f->mem_align < PHX_PAGE &&
+		    dev_is_zram(S_ISBLK(stx.stx_mode) ?
+				makedev(stx.stx_rdev_major, stx.stx_rdev_minor) :
+				makedev(stx.stx_dev_major, stx.stx_dev_minor)))
+			f->mem_align = PHX_PAGE;
 	}
 }
 
