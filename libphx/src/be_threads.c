@@ -41,7 +41,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -591,18 +590,6 @@ static int threads_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_
 	return ret;
 }
 
-/* CPUs this process may run on (at least 1). */
-static uint32_t cpus_usable(void)
-{
-	cpu_set_t set;
-	long n;
-
-	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
-		return (uint32_t)CPU_COUNT(&set);
-	n = sysconf(_SC_NPROCESSORS_ONLN);
-	return n > 0 ? (uint32_t)n : 1;
-}
-
 static int threads_setup(phx_engine *eng)
 {
 	struct be_threads_state *t = &eng->u.threads;
@@ -616,7 +603,7 @@ static int threads_setup(phx_engine *eng)
 	t->tids = calloc(t->max, sizeof(*t->tids));
 	if (!t->tids)
 		return phx_err(-ENOMEM, "out of memory");
-	t->ncpu = cpus_usable();
+	t->ncpu = phx_cpus_usable();
 	pthread_cond_init(&t->work, NULL);
 	/* one worker now, so that every queued op has one to run it */
 	ret = worker_start(eng);

@@ -17,7 +17,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -203,24 +202,13 @@ struct sq_batch {
 	bool sample;		/* probe is set: submit, then look for it */
 };
 
-static uint32_t cpus_usable(void)
-{
-	cpu_set_t set;
-	long n;
-
-	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
-		return (uint32_t)CPU_COUNT(&set);
-	n = sysconf(_SC_NPROCESSORS_ONLN);
-	return n > 0 ? (uint32_t)n : 1;
-}
-
 static void spread_setup(struct be_uring_state *u)
 {
 	u->spread = phx_env_choice("PHX_URING_SPREAD", phx_spread_choices, SPREAD_AUTO);
 	/* not yet: two batches that complete inline turn it on */
 	u->inline_score = -1;
 	/* the submitting thread is the CPU the workers leave */
-	u->max_workers = cpus_usable() - 1;
+	u->max_workers = phx_cpus_usable() - 1;
 	if (!u->max_workers && u->spread == SPREAD_ON)
 		u->max_workers = 1;
 	u->load_fd = u->spread == SPREAD_AUTO && u->max_workers ?

@@ -9,6 +9,7 @@
  * else - or when asked for - the thread pool.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,17 @@
 #include <unistd.h>
 
 #include "internal.h"
+
+uint32_t phx_cpus_usable(void)
+{
+	cpu_set_t set;
+	long n;
+
+	if (!sched_getaffinity(0, sizeof(set), &set) && CPU_COUNT(&set) > 0)
+		return (uint32_t)CPU_COUNT(&set);
+	n = sysconf(_SC_NPROCESSORS_ONLN);
+	return n > 0 ? (uint32_t)n : 1;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Configuration                                                            */

@@ -213,6 +213,9 @@ struct phx_backend {
 extern const struct phx_backend be_uring;
 extern const struct phx_backend be_threads;
 
+/* CPUs this process may run on (its affinity; at least 1): engine.c. */
+uint32_t phx_cpus_usable(void);
+
 /* PHX_URING_SPREAD's values (be_uring.c: ops that complete inline -> io-wq). */
 enum uring_spread { SPREAD_AUTO, SPREAD_OFF, SPREAD_ON };
 extern const char *const phx_spread_choices[];	/* indexed by enum uring_spread */
