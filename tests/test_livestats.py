@@ -332,3 +332,21 @@ def test_libphxfile_publishes_its_counters(fake_cuda, tmp_path, sdir):
         p.stdin.write("\n")
         p.stdin.flush()
         p.wait(timeout=60)
+
+
+def test_top_lists_a_process_between_its_engines_as_idle():
+    """A process whose engines are all closed right now (a benchmark between
+    rows) stays on the screen as idle instead of vanishing; the "no process"
+    line only when nothing publishes."""
+    from phx import top
+    busy = livestats.Process(7, "bench", "phx bench io", ["f"], 200, 0, "0", [
+        livestats.Source("engine", "e", 1, "f", 0, 10**9, {"bytes_read": 1 << 30})])
+    idle = livestats.Process(9, "bench2", "phx bench gpu", ["g"], 200, 0, "0", [])
+    rows = livestats.rates([], [busy])
+    screen = top.render(rows, 200, 0, idle=[idle, busy])
+    assert "(+1 idle)" in screen and "9  bench2  idle" in screen
+    assert any(ln.split()[:2] == ["7", "bench"] for ln in screen.splitlines())
+    assert "no process publishes" not in screen
+    screen = top.render([], 200, 0, idle=[idle])
+    assert "0 processes, 0 sources (+1 idle)" in screen and "no process publishes" not in screen
+    assert "no process publishes" in top.render([], 200, 0)

@@ -20,7 +20,7 @@ import json
 import shutil
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Iterable, TextIO
 
 from phx import livestats
 from phx.bench._common import plot_path, positive_float, positive_int
@@ -94,16 +94,22 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def render(rows: list[livestats.Rates], width: int = 160, now: float | None = None) -> str:
-    """One screen of ``phx top`` (text) for the rates of one interval."""
+def render(rows: list[livestats.Rates], width: int = 160, now: float | None = None,
+           idle: Iterable[livestats.Process] = ()) -> str:
+    """One screen of ``phx top`` (text) for the rates of one interval;
+    ``idle``: processes that publish but have no engine or context open
+    right now (a benchmark between its rows), listed below the table."""
     now = time.time() if now is None else now
+    idle = [p for p in idle if p.pid not in {r.pid for r in rows}]
     # libphxfile's transfers also pass through the GPU contexts shown: not counted twice
     rd = sum(r.read_gbs for r in rows if r.kind != "phxfile")
     wr = sum(r.write_gbs for r in rows if r.kind != "phxfile")
     pids = {r.pid for r in rows}
     lines = [f"phx top - {time.strftime('%H:%M:%S', time.localtime(now))}  "
              f"{len(pids)} process{'es' if len(pids) != 1 else ''}, {len(rows)} "
-             f"source{'s' if len(rows) != 1 else ''}  read {rd:.2f} GB/s  write {wr:.2f} GB/s"]
+             f"source{'s' if len(rows) != 1 else ''}"
+             + (f" (+{len(idle)} idle)" if idle else "")
+             + f"  read {rd:.2f} GB/s  write {wr:.2f} GB/s"]
     table = [_COLS]
     for r in sorted(rows, key=lambda r: (-(r.read_gbs + r.write_gbs), r.pid, r.label)):
         src = f"{r.kind}: {r.label}"
@@ -117,7 +123,9 @@ def render(rows: list[livestats.Rates], width: int = 160, now: float | None = No
     for row in table:
         cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells)[:width])
-    if len(table) == 1:
+    for p in sorted(idle, key=lambda p: p.pid):
+        lines.append(f"{p.pid}  {p.comm[:15]}  idle: no engine or GPU context open now"[:width])
+    if len(table) == 1 and not idle:
         lines.append("(no process publishes phx counters)")
     return "\n".join(lines)
 
@@ -156,16 +164,19 @@ def top_main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """``phx top``: sample, show, repeat."""
     batch = args.batch or not out.isatty()
     samples: list[dict[str, Any]] = []
-    before = livestats.scan(args.dir, args.pid)
+    # idle processes too: a benchmark between rows has closed its engines,
+    # and must not look as if it had gone
+    before = livestats.scan(args.dir, args.pid, include_idle=True)
     shown = 0
     try:
         while args.iterations is None or shown < args.iterations:
             time.sleep(args.interval)
-            after = livestats.scan(args.dir, args.pid)
+            after = livestats.scan(args.dir, args.pid, include_idle=True)
             now = time.time()
             rows = livestats.rates(before, after)
             before = after
-            screen = render(rows, shutil.get_terminal_size((160, 40)).columns, now)
+            screen = render(rows, shutil.get_terminal_size((160, 40)).columns, now,
+                            idle=[p for p in after if not p.sources])
             if batch:
                 out.write(screen + "\n\n")
             else:
