@@ -191,8 +191,9 @@ static int uring_probe(char *why, size_t n)
  * 4 per op).  It pays when the op's copy takes longer than that spread over
  * the CPUs that share the batch: on that box (zram, QD 32) 4 KiB sequential
  * reads ran 0.85x spread over 2 CPUs, random ones 1.0x, 16 KiB random ones
- * 1.1x; on the 16-CPU H100 box 4 KiB random reads ran 2.0x.  So the mean op of an automatically spread batch times the CPUs it
- * is cut for must come to SPREAD_MIN_SHARE.
+ * 1.1x; on the 16-CPU H100 box 4 KiB random reads ran 2.0x.  So the mean
+ * op of an automatically spread batch times the CPUs it is cut for must
+ * come to SPREAD_MIN_SHARE.
  */
 #define SPREAD_MIN_SHARE (32u << 10)
 
