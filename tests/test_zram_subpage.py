@@ -1,6 +1,6 @@
 """O_DIRECT reads on zram into memory that is not page aligned.
 
-On kernel 6.18 a read from ext4 on zram into a buffer that is 512-byte but
+On kernel 6.18 a read from ext4 or xfs on zram into a buffer that is 512-byte but
 not page aligned returns the file's bytes shifted by the buffer's offset in
 its page, without an error, although statx(STATX_DIOALIGN) allows 512-byte
 memory.  phx therefore asks for page-aligned memory for direct I/O on zram
@@ -23,14 +23,15 @@ import phx
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def zram_file():
-    """(path, data): 4 MiB + 123 of random bytes on ext4 on a new zram device."""
+@pytest.fixture(scope="module", params=["ext4", "xfs"])
+def zram_file(request):
+    """(path, data): 4 MiB + 123 of random bytes on ext4 / xfs on a new zram
+    device (xfs on zram shifts the data the same way)."""
     from phx.bench import _zram
-    why = _zram.unavailable(64 * MiB)
+    why = _zram.unavailable(320 * MiB)
     if why:
         pytest.skip(f"no zram here: {why}")
-    with _zram.zram_ext4(64 * MiB) as z:
+    with _zram.zram_ext4(320 * MiB, fs=request.param) as z:
         path = os.path.join(z.mountpoint, "subpage.bin")
         data = np.random.default_rng(int.from_bytes(os.urandom(8), "little")).integers(
             0, 256, 4 * MiB + 123, dtype=np.uint8)

@@ -99,13 +99,16 @@ def _teardown(index: int, mountpoint: str | None) -> list[str]:
 
 
 @contextlib.contextmanager
-def zram_ext4(disksize: int) -> Iterator[ZramMount]:
-    """A new zram device of ``disksize`` bytes with ext4, mounted; removed on exit.
+def zram_ext4(disksize: int, fs: str = "ext4") -> Iterator[ZramMount]:
+    """A new zram device of ``disksize`` bytes with ext4 (or ``fs="xfs"``:
+    xfs, at least 300 MiB), mounted; removed on exit.
 
     ext4 is made with its inode tables and journal initialised up front
     (``lazy_itable_init=0,lazy_journal_init=0``), so no background
     initialisation writes to the device while it is measured.
     """
+    if fs not in ("ext4", "xfs"):
+        raise ValueError(f"zram filesystem {fs!r}: ext4 or xfs")
     why = unavailable(disksize)
     if why:
         raise RuntimeError(f"cannot make a zram device: {why}")
@@ -119,12 +122,16 @@ def zram_ext4(disksize: int) -> Iterator[ZramMount]:
             if os.path.exists(device):
                 break
             time.sleep(0.02)
-        _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", device])
+        if fs == "xfs":
+            _run(["mkfs.xfs", "-q", "-f", device])
+        else:
+            _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
+                  device])
         mountpoint = tempfile.mkdtemp(prefix=f"phx-bench-zram{index}-")
         # discard: a deleted file's blocks go back to RAM (zram frees them on
         # discard), so methods run one after another on one device do not
         # add up in memory
-        _run(["mount", "-t", "ext4", "-o", "discard", device, mountpoint])
+        _run(["mount", "-t", fs, "-o", "discard", device, mountpoint])
         yield ZramMount(index, device, mountpoint, disksize)
     finally:
         problems = _teardown(index, mountpoint)
