@@ -45,9 +45,12 @@ def _kernel_shifts(path: str, data: np.ndarray) -> bool:
     """Whether a plain O_DIRECT preadv into page offset 512 returns wrong bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        m = mmap.mmap(-1, 2 * 4096 + 8192)
-        got = os.preadv(fd, [memoryview(m)[512:512 + 8192]], 0)
-        return bytes(m[512:512 + got]) != data[:got].tobytes()
+        with mmap.mmap(-1, 2 * 4096 + 8192) as m:
+            view = memoryview(m)
+            got = os.preadv(fd, [view[512:512 + 8192]], 0)
+            shifted = bytes(m[512:512 + got]) != data[:got].tobytes()
+            view.release()
+            return shifted
     finally:
         os.close(fd)
 

@@ -100,11 +100,11 @@ def render(rows: list[livestats.Rates], width: int = 160, now: float | None = No
     ``idle``: processes that publish but have no engine or context open
     right now (a benchmark between its rows), listed below the table."""
     now = time.time() if now is None else now
-    idle = [p for p in idle if p.pid not in {r.pid for r in rows}]
+    pids = {r.pid for r in rows}
+    idle = [p for p in idle if p.pid not in pids]
     # libphxfile's transfers also pass through the GPU contexts shown: not counted twice
     rd = sum(r.read_gbs for r in rows if r.kind != "phxfile")
     wr = sum(r.write_gbs for r in rows if r.kind != "phxfile")
-    pids = {r.pid for r in rows}
     lines = [f"phx top - {time.strftime('%H:%M:%S', time.localtime(now))}  "
              f"{len(pids)} process{'es' if len(pids) != 1 else ''}, {len(rows)} "
              f"source{'s' if len(rows) != 1 else ''}"
