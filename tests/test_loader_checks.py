@@ -8,7 +8,8 @@ warm files read from the page cache, partial reads, what a load holds.
   symbolic link inside the folder (a Hugging Face cache) is not.
 * ``cachestat`` and ``mincore`` agree on page-cache residency; a file mostly
   in the page cache is read buffered (phx's buffered counter), a cold one
-  O_DIRECT; ``cached=`` forces either.
+  O_DIRECT, a warm one on a memory device (zram) O_DIRECT too; ``cached=``
+  forces either.
 * :class:`Partial` reads only its boxes, the tensor keeping its shape.
 * ``LoadStats.peak_held_bytes`` stays within the in-flight bound.
 """
@@ -230,6 +231,63 @@ def test_warm_file_is_read_from_the_page_cache_cold_one_direct(data_dir, rng):
     assert stats.buffered_files == [] and moved["direct_bytes"] >= 0.99 * payload
     with pytest.raises(ValueError, match="cached"):
         loader.iter_tensors(path, cached="sometimes")
+
+
+
+def test_warm_file_on_a_memory_device_is_read_direct(rng):
+    """zram is memory: its warm file is read O_DIRECT all the same (the page
+    cache is slower there), said in the stats; "always" still forces the cache."""
+    from phx.bench import _zram
+    why = _zram.unavailable(64 * MiB)
+    if why:
+        pytest.skip(f"no zram here: {why}")
+    with _zram.zram_ext4(64 * MiB) as z:
+        sd = {"a": rand_tensor(rng, (3 * MiB + 5,), torch.int8)}
+        path = os.path.join(z.mountpoint, "m.safetensors")
+        st.save_file(sd, path)
+        with open(path, "rb") as f:         # read once: warm
+            f.read()
+        dev = os.path.basename(os.path.realpath(z.device))
+        with open(path, "rb") as f:
+            assert cache.memory_device(f.fileno()) == dev
+        got, stats, moved = _load_counting(path)
+        assert stats.resident[path] >= loader.WARM_FRACTION
+        assert stats.buffered_files == [] and stats.memory_direct == {path: dev}
+        assert moved["direct_bytes"] >= 0.99 * (3 * MiB) and moved["buffered_bytes"] == 0, moved
+        assert raw(got["a"]) == raw(sd["a"])
+        got, stats, moved = _load_counting(path, cached="always")
+        assert stats.buffered_files == [path] and moved["direct_bytes"] == 0
+        assert raw(got["a"]) == raw(sd["a"])
+
+
+def _sysfs_block(root, name, slaves=(), parts=()):
+    d = os.path.join(root, "devices", name)
+    os.makedirs(os.path.join(d, "slaves"), exist_ok=True)
+    for s in slaves:
+        os.symlink(os.path.join(root, "devices", s), os.path.join(d, "slaves", s))
+    for p in parts:
+        os.makedirs(os.path.join(d, p), exist_ok=True)
+        open(os.path.join(d, p, "partition"), "w").close()
+    return d
+
+
+@pytest.mark.parametrize("entry,want", [
+    ("zram3", "zram3"), ("ram0", "ram0"), ("pmem1/pmem1p2", "pmem1"),
+    ("nvme0n1/nvme0n1p1", None), ("vda", None),
+    ("dm-0", "zram1"),          # a dm device made only of memory devices
+    ("dm-1", None),             # one of its slaves is not memory
+])
+def test_which_block_devices_are_memory(tmp_path, entry, want):
+    root = str(tmp_path)
+    _sysfs_block(root, "zram1")
+    _sysfs_block(root, "zram3")
+    _sysfs_block(root, "ram0")
+    _sysfs_block(root, "vda")
+    _sysfs_block(root, "pmem1", parts=["pmem1p2"])
+    _sysfs_block(root, "nvme0n1", parts=["nvme0n1p1"])
+    _sysfs_block(root, "dm-0", slaves=["zram1", "zram3"])
+    _sysfs_block(root, "dm-1", slaves=["zram1", "vda"])
+    assert cache._block_memory(os.path.join(root, "devices", entry)) == want
 
 
 # ---------------------------------------------------------------------------

@@ -38,8 +38,9 @@ Warm rows (``--warm METHODS``, default ``phx,st,fst-nogds``): the same
 checkpoint read right after it was read once, page cache kept: the page
 cache is dropped, every file read through it once, then the method runs
 (``cache`` column "warm"; all other rows are "cold").  phx reads a file that
-is mostly in the page cache from there (buffered) instead of O_DIRECT; the
-phx rows report how many files it read that way.
+is mostly in the page cache from there (buffered) instead of O_DIRECT,
+except on a device that is memory (zram: the page cache is slower there);
+the phx rows report how many files it read that way.
 
 Reported: seconds until every tensor is on the device, GB/s, CPU seconds
 (user + system of the process, getrusage), peak RSS and its growth over the
@@ -465,6 +466,7 @@ def worker(method: str, d: str, device: str, threads: int, tp: int = 1) -> dict[
     st = res.get("phx_stats")
     phx_stats = None if st is None else {
         "files": len(st.files), "buffered_files": len(st.buffered_files),
+        "memory_direct": sorted(set(st.memory_direct.values())),
         "peak_held_bytes": st.peak_held_bytes, "bytes_read": st.bytes_read}
     tensors = res["tensors"]
     n = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -576,6 +578,7 @@ def _row(where: str, m: str, t: int, cache: str, rs: list[dict[str, Any]]) -> di
         if phx:
             row["held_peak"] = max(x["peak_held_bytes"] for x in phx)
             row["buffered_files"] = max(x["buffered_files"] for x in phx)
+            row["memory_direct"] = phx[0].get("memory_direct", [])
             row["files"] = phx[0]["files"]
     if len(ok) < len(rs):
         row["error"] = next(r["error"] for r in rs if "error" in r)
@@ -653,8 +656,10 @@ def _print(rows, device) -> None:
             for m, r in warm.items():
                 if m != "phx":
                     line.append(f"{warm['phx']['gbps'] / r['gbps']:.2f}x {m} warm")
+            mem = warm["phx"].get("memory_direct")
+            why = f" ({', '.join(mem)} is memory: read O_DIRECT)" if mem else ""
             print(", ".join(line) + f"; {warm['phx'].get('buffered_files', 0)} of "
-                  f"{warm['phx'].get('files', 0)} files read from the page cache")
+                  f"{warm['phx'].get('files', 0)} files read from the page cache{why}")
 
 
 def run(args) -> int:

@@ -101,7 +101,8 @@ def iter_tensors(path: Source, device: Any = "cpu", *,
     caller drops is freed once every tensor of its allocation is dropped.
     Headers are all validated before the first tensor is yielded.
     ``cached``: "auto" reads files that are mostly in the page cache buffered
-    (:data:`WARM_FRACTION`), "always" / "never" force it."""
+    (:data:`WARM_FRACTION`) unless their device is memory (zram, ram, pmem),
+    "always" / "never" force either."""
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     jobs = _jobs(ck, names, shard, group_bytes)
     return run(jobs, backend_for(device), inflight_bytes=inflight_bytes, progress=progress,

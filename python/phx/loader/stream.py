@@ -34,7 +34,9 @@ inode, which is the file the header described.)
 Warm files: a file most of which (:data:`WARM_FRACTION`) is in the page
 cache when it is opened is read through the page cache (buffered) instead
 of O_DIRECT, which would read it from the device again
-(:mod:`phx.loader.cache`).  ``cached="never"`` / ``"always"`` force it.
+(:mod:`phx.loader.cache`) - unless the device is memory itself (zram, ram,
+pmem), where the page cache is slower than O_DIRECT.  ``cached="never"`` /
+``"always"`` force either.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import numpy.typing as npt
 
-from phx.loader.cache import resident_fraction
+from phx.loader.cache import memory_device, resident_fraction
 from phx.loader.format import CheckpointError, FileIdentity, check_identity
 from phx.loader.plan import Job, Output
 
@@ -70,7 +72,9 @@ class LoadStats:
     """What a load read and held.  ``bytes_read``: payload bytes asked of the
     files (sliced tensors count only their slices); ``buffered_files``: files
     read through the page cache (warm, or O_DIRECT refused), the others went
-    O_DIRECT; ``peak_held_bytes``: the most target memory (on the load's
+    O_DIRECT; ``memory_direct``: warm files read O_DIRECT all the same
+    because their device is memory (file -> device name, e.g. "zram0");
+    ``peak_held_bytes``: the most target memory (on the load's
     device) allocated by the loader and not yet handed out at any time - its
     extra memory beyond what the consumer keeps."""
     tensors: int = 0
@@ -78,6 +82,7 @@ class LoadStats:
     files: list[str] = field(default_factory=list)
     buffered_files: list[str] = field(default_factory=list)
     resident: dict[str, float] = field(default_factory=dict)
+    memory_direct: dict[str, str] = field(default_factory=dict)
     held_bytes: int = 0
     peak_held_bytes: int = 0
 
@@ -271,6 +276,11 @@ def open_for_data(path: str, ident: FileIdentity | None = None, cached: str = "a
             frac = resident_fraction(f.fileno())
             stats.resident[path] = frac
             warm = frac >= WARM_FRACTION
+            mem = memory_device(f.fileno()) if warm else None
+            if mem is not None:
+                # the device is memory: the page cache is no faster (cache.py)
+                stats.memory_direct[path] = mem
+                warm = False
         if warm and f.direct:
             g = phx.open(path, "r", direct=False)
             f.close()
