@@ -11,11 +11,13 @@
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
 #                                      bench-mid bench-mid-noearly bench-full replay-mid replay-full
 #                                      replay-disk replay-seed (the seed's token counts, ~6 min)
+#                                      l2 (issue 28's persistent tier, zram and disk, ~4 min)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
 # the small packages the box's venv lacks, from `adapters/lmcache/tools/
-# lmcache-deps.sh download .whl-lmcache 3.12`, 27 MiB) and .devcarry (deb/:
+# lmcache-deps.sh download .whl-lmcache 3.12`, 27 MiB, plus
+# lmcache_rust_raw_block_io 0.5.7rc2 for cp312 for the l2 step's raw_block rows) and .devcarry (deb/:
 # Debian's liburing-dev + liburing2 .debs for the build; whl/: KvikIO wheels,
 # used only where LMCache's cufile backend cannot start).
 . "$(dirname "$0")/gpu_common.sh" || exit 1
@@ -97,6 +99,10 @@ step() {
 	replay-seed) bench replay-seed --mode replay --no-disk --zram 28G --sessions 2 --rounds 30 \
 		--token-scale 1.0 --concurrency 1,2,3,4,5,6,7,8,10,12,16 \
 		--replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
+	# issue 28's persistent tier (no GPU needed; the box's 16 CPUs and its
+	# disk): every method side by side, zram and disk, the recovery row
+	l2) bench l2 --mode l2 --zram 3G --repeat 3 --l2-chunk-mib 1,4,16,32 --l2-bytes 256m \
+		--l2-latency 16 --l2-recovery 100000 ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
