@@ -257,3 +257,108 @@ def test_host_handles_and_gpu_lanes_share_partial_block_claims(fake_build, tmp_p
     r = subprocess.run([sys.executable, "-c", SHARED_BLOCKS, str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+STREAM_LOOP = textwrap.dedent(r"""
+    import ctypes, os, sys, threading
+    import numpy as np
+    import phx
+    from phx._lib import cuda
+    lib = ctypes.CDLL("libcuda.so.1")
+    assert lib.fake_sleep_async, "not the fake"
+    d2h = ctypes.cast(lib.cuMemcpyDtoHAsync_v2, ctypes.c_void_p).value
+    d = sys.argv[1]
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+    data = rng.integers(1, 256, 6 << 20, dtype=np.uint8)     # never zeros
+    path = os.path.join(d, "loop.bin")
+    data.tofile(path)
+    eng = phx.Engine()
+    ctx = cuda.Context(eng, 0, lanes=3, bufs_per_lane=2, buf_size=256 << 10, early_reads=True)
+    nthreads, per, probe = 4, 50, 512
+    n = nthreads * per
+    sizes = rng.integers(probe, 90000, n)                     # unaligned sizes and places
+    foffs = rng.integers(0, len(data) - 90000, n)
+    boffs = np.cumsum(np.concatenate([[5], sizes[:-1] + 3]))
+    total = int(boffs[-1] + sizes[-1] + 8)
+    buf = ctypes.c_uint64()
+    assert lib.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(total)) == 0
+    gpu = np.ctypeslib.as_array((ctypes.c_ubyte * total).from_address(buf.value))
+    gpu[:] = 0
+    args = np.stack([sizes, foffs, boffs, np.full(n, -1)], axis=1).astype(np.int64)
+    probes = np.zeros((n, probe), dtype=np.uint8)
+    errors = []
+    def loop(i, f, write, sleep_us):
+        try:
+            s = ctypes.c_void_p()
+            assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+            lib.fake_sleep_async(s, ctypes.c_ulong(sleep_us))   # ops queue behind a busy stream
+            lo = i * per
+            got = ctx.stream_loop(f._c_file, buf.value, args.ctypes.data + lo * 32, per, write,
+                                  s.value, 0 if write else d2h,
+                                  probes.ctypes.data + lo * probe, probe)
+            assert got == per
+            assert lib.cuStreamSynchronize(s) == 0
+        except Exception as e:
+            errors.append(e)
+    def run(f, write):
+        th = [threading.Thread(target=loop, args=(i, f, write, 20000 * (i % 2)))
+              for i in range(nthreads)]
+        for t in th: t.start()
+        for t in th: t.join()
+        assert not errors, errors
+    with phx.open(path, "r+", engine=eng) as f:
+        run(f, False)
+        assert (args[:, 3] == sizes).all(), args[args[:, 3] != sizes][:3]
+        for k in range(n):
+            o, sz, fo = int(boffs[k]), int(sizes[k]), int(foffs[k])
+            assert (gpu[o:o + sz] == data[fo:fo + sz]).all(), k
+            # the copy queued behind read k saw read k's bytes
+            assert (probes[k] == data[fo:fo + probe]).all(), k
+        # stores from the same loop: fresh bytes to distinct, non-overlapping places
+        wsz = np.minimum(20000 + rng.integers(0, 4096, n), sizes)   # inside the allocation
+        wfo = np.cumsum(np.concatenate([[11], wsz[:-1] + 500]))
+        assert wfo[-1] + wsz[-1] < len(data)
+        args[:] = np.stack([wsz, wfo, boffs, np.full(n, -1)], axis=1)
+        gpu[:] = rng.integers(1, 256, total, dtype=np.uint8)
+        src = gpu.copy()
+        run(f, True)
+        assert (args[:, 3] == wsz).all(), (args[args[:, 3] != wsz][:3], wsz[args[:, 3] != wsz][:3])
+        f.fsync()
+    back = np.fromfile(path, dtype=np.uint8)
+    for k in range(n):
+        assert (back[wfo[k]:wfo[k] + wsz[k]] == src[boffs[k]:boffs[k] + wsz[k]]).all(), k
+    # arguments are read when the stream gets there: a bad size is that op's
+    # error result, the others' bytes arrive; memory phx cannot map raises
+    with phx.open(path, "r", engine=eng) as f:
+        bad = np.array([[4096, 0, 0, -1], [4096, 4096, 8192, -1], [-5, 0, 0, -1]], np.int64)
+        s = ctypes.c_void_p()
+        assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+        assert ctx.stream_loop(f._c_file, buf.value, bad.ctypes.data, 3, False, s.value) == 3
+        assert lib.cuStreamSynchronize(s) == 0
+        assert list(bad[:2, 3]) == [4096, 4096] and bad[2, 3] < 0, bad
+        try:
+            ctx.stream_loop(f._c_file, 4096, bad.ctypes.data, 1, False, s.value)
+            raise SystemExit("memory that is not the GPU's was queued")
+        except OSError as e:
+            assert "stream op 0 of 1" in str(e), e
+        lib.cuStreamSynchronize(s)
+    ctx.close()
+    print("stream loop ok")
+""")
+
+
+def test_stream_loop_against_fake_cuda(fake_build, tmp_path):
+    """Context.stream_loop (the stream bench's GIL-free rows): four threads,
+    a stream each (two of them busy when their ops are queued), 200 reads of
+    unaligned sizes and places with a device-to-host copy of each chunk's
+    head queued behind it, then 200 stores; every byte and every copy
+    checked, a bad op raised with its index."""
+    try:
+        import phx._lib.cuda  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"phx built without its GPU module: {e}")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
+    r = subprocess.run([sys.executable, "-c", STREAM_LOOP, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stream loop ok" in r.stdout

@@ -111,6 +111,10 @@ class Context:
         self, file_addr: int, base: int, args: int, write: bool, stream: int,
         path: object = None
     ) -> None: ...
+    def stream_loop(
+        self, file_addr: int, base: int, args: int, n: int, write: bool, stream: int,
+        d2h: int = 0, probe: int = 0, probe_bytes: int = 0
+    ) -> int: ...
     def many(
         self, file_addr: int, devptr: int, dev_len: int, file_offsets: npt.ArrayLike,
         dev_offsets: npt.ArrayLike, lens: npt.ArrayLike, write: bool,

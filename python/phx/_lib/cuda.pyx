@@ -7,13 +7,16 @@ CUdeviceptr, CUstream) as ints; :mod:`phx.gpu` holds the Pythonic layer.
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
-from libc.errno cimport EINVAL
+from libc.errno cimport EINVAL, EIO
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
 import errno as _errno
 import os as _os
+
+# cuMemcpyDtoHAsync_v2 (cuda.h): the driver's, by address (stream_loop)
+ctypedef int (*d2h_fn)(void *dst, uint64_t src, size_t n, void *stream) noexcept nogil
 
 # PHX_OP_READ / PHX_OP_WRITE (phx.h)
 cdef enum:
@@ -653,6 +656,46 @@ cdef class Context:
                                          &a[1], &a[2], &a[3], <void *>stream)
         if rc < 0:
             raise _err(rc, path)
+
+    def stream_loop(self, uintptr_t file_addr, uint64_t base, uintptr_t args, size_t n,
+                    bint write, uintptr_t stream, uintptr_t d2h=0, uintptr_t probe=0,
+                    uint64_t probe_bytes=0) -> int:
+        """Queue ``n`` stream ops on ``stream`` in one loop that never holds
+        the GIL: how a C or C++ server (or one thread of it) drives libphx,
+        for the stream benchmark's ``phx-stream-c`` rows.  ``args``: the
+        address of ``n`` rows of four int64 as for :meth:`stream_deferred`,
+        kept alive by the caller until the stream has passed them.  After
+        each read, when ``d2h`` (the address of the driver's
+        ``cuMemcpyDtoHAsync_v2``) is given, the chunk's first ``probe_bytes``
+        are copied to ``probe + k * probe_bytes`` (pinned host memory) on the
+        same stream: work that needs the chunk, queued behind its read.
+        Returns ``n``; the first failure raises (ops before it are queued)."""
+        cdef phx_cuda *c = self._get()
+        cdef int64_t *a = <int64_t *>args
+        cdef d2h_fn copy = <d2h_fn>d2h
+        cdef size_t k = 0
+        cdef int rc = 0
+        with nogil:
+            while k < n:
+                if write:
+                    rc = phx_cuda_write_async(c, <phx_file *>file_addr, base,
+                                              <size_t *>&a[4 * k], &a[4 * k + 1],
+                                              &a[4 * k + 2], &a[4 * k + 3], <void *>stream)
+                else:
+                    rc = phx_cuda_read_async(c, <phx_file *>file_addr, base,
+                                             <size_t *>&a[4 * k], &a[4 * k + 1],
+                                             &a[4 * k + 2], &a[4 * k + 3], <void *>stream)
+                    if rc == 0 and copy != NULL:
+                        rc = copy(<void *>(probe + k * probe_bytes),
+                                  base + <uint64_t>a[4 * k + 2], probe_bytes, <void *>stream)
+                        if rc != 0:
+                            rc = -EIO       # a CUresult, not an errno
+                if rc < 0:
+                    break
+                k += 1
+        if rc < 0:
+            raise _err(rc, None, f"stream op {k} of {n}")
+        return n
 
 
 def _u64(seq):
