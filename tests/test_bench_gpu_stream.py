@@ -38,7 +38,7 @@ def test_defaults():
     assert o.pool_threads == [8]
     assert o.kvikio_threads == [16, 64]
     assert o.ops == ["read", "write"]
-    assert o.methods == ["stream", "batch", "pool", "kvikio"]
+    assert o.methods == ["stream", "stream-c", "batch", "pool", "kvikio"]
     assert o.repeat == 3
 
 
@@ -94,8 +94,9 @@ def test_plan_rows():
     rows = st.plan(o, stream_ok=True, have_kvikio=True, eng=None)
     names = sorted({(m.name, m.threads) for m in rows})
     assert names == [("kvikio", 16), ("kvikio", 64), ("phx-batch", None), ("phx-stream-1", 1),
-                     ("phx-stream-4", 4), ("pool-8", 8)]
-    assert len(rows) == 2 * 2 * 6                # chunks x ops x rows
+                     ("phx-stream-4", 4), ("phx-stream-c-1", 1), ("phx-stream-c-4", 4),
+                     ("pool-8", 8)]
+    assert len(rows) == 2 * 2 * 8                # chunks x ops x rows
     rows = st.plan(o, stream_ok=False, have_kvikio=False, eng=None)
     assert {m.family for m in rows} == {"batch", "pool"}
 
@@ -187,6 +188,8 @@ def _canned() -> list[dict]:
                          counters=c, ops=1024),
                     _row("phx-stream-2", "stream", dev, op, chunk, 2, [1.8 * k, 1.9 * k, 2.0 * k]),
                     _row("phx-stream-8", "stream", dev, op, chunk, 8, [0.9 * k] * 3),
+                    _row("phx-stream-c-1", "stream-c", dev, op, chunk, 1, [1.5 * k] * 3),
+                    _row("phx-stream-c-8", "stream-c", dev, op, chunk, 8, [1.2 * k] * 3),
                     _row("phx-batch", "batch", dev, op, chunk, None, [2.0 * k] * 3),
                     _row("pool-8", "pool", dev, op, chunk, 8, [1.25 * k] * 3),
                     _row("kvikio", "kvikio", dev, op, chunk, 16, [0.5 * k] * 3),
@@ -209,12 +212,16 @@ def test_ratios():
     assert x["streamN_vs_stream1_min"] == pytest.approx(0.9) and x["streamN_min_threads"] == 8
     assert x["stream1_vs_kvikio"] == pytest.approx(1.25) and x["kvikio_threads"] == 64
     assert x["phx_best_vs_kvikio"] == pytest.approx(2.5) and x["phx_best"] == "phx-batch"
+    # the GIL-free rows against the batch and against their own one-thread row
+    assert x["streamc1_vs_batch"] == pytest.approx(0.75)
+    assert x["streamcN_vs_streamc1_min"] == pytest.approx(0.8) and x["streamcN_min_threads"] == 8
 
 
 def test_ratios_missing_sides_are_none():
     rows = [r for r in _canned() if r["family"] in ("batch", "pool")]
     x = st.ratios(rows)[0]
     assert x["stream1_vs_batch"] is None and x["streamN_vs_stream1_min"] is None
+    assert x["streamc1_vs_batch"] is None and x["streamcN_vs_streamc1_min"] is None
     assert x["stream1_vs_kvikio"] is None and x["phx_best_vs_kvikio"] is None
     assert x["phx_best"] == "phx-batch"
 
@@ -226,18 +233,21 @@ def test_report():
                   "zram (ext4 on /dev/x): reads", "zram (ext4 on /dev/x): writes"):
         assert panel in text
     for col in ("phx-stream-1", "phx-stream-2", "phx-stream-8", "phx-batch", "pool-8", "kvikio",
+                "phx-stream-c-1", "phx-stream-c-8", "stream-c-1/batch",
+                "min stream-c-N/stream-c-1",
                 "stream-1/batch", "stream-1/pool", "min stream-N/stream-1", "best phx/kvikio"):
         assert col in text
     assert "0.80 ±0% 64t" in text                   # the best KvikIO, its thread count
     assert "0.90 (N=8)" in text
     assert "stream_queue_us" in text and "50" in text     # 50 us per op
-    assert "all 56 rows right" in text and "FAILED" not in text
+    assert "0.80 (N=8)" in text                   # phx-stream-c-8 / phx-stream-c-1
+    assert "all 72 rows right" in text and "FAILED" not in text
 
 
 def test_report_shows_failures_loudly():
     rows = _canned()
     rows[0] = dict(rows[0], verified=False, errors=["mismatch: the chunk at 0 differs"])
-    rows[3] = _row("phx-batch", "batch", "disk", "read", MiB, None, [], verified=False,
+    rows[5] = _row("phx-batch", "batch", "disk", "read", MiB, None, [], verified=False,
                    errors=["OSError: [Errno 5] boom"])
     text = st.report(rows, META)
     assert "FAILED ROWS" in text

@@ -11,7 +11,8 @@
 #   tools/lmcache_gpu_run.sh STEP...   any of: setup build tests bench-small replay-small
 #                                      bench-mid bench-mid-noearly bench-full replay-mid replay-full
 #                                      replay-disk replay-seed (the seed's token counts, ~6 min)
-#                                      l2 (issue 28's persistent tier, zram and disk, ~4 min)
+#                                      l2 (issue 28's persistent tier, zram and disk, ~4 min;
+#                                      L2_ARGS: other bench options)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -101,8 +102,8 @@ step() {
 		--replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
 	# issue 28's persistent tier (no GPU needed; the box's 16 CPUs and its
 	# disk): every method side by side, zram and disk, the recovery row
-	l2) bench l2 --mode l2 --zram 3G --repeat 3 --l2-chunk-mib 1,4,16,32 --l2-bytes 256m \
-		--l2-latency 16 --l2-recovery 100000 ;;
+	l2) bench l2 --mode l2 ${L2_ARGS:---zram 3G --repeat 3 --l2-chunk-mib 1,4,16,32 \
+		--l2-bytes 256m --l2-latency 16 --l2-recovery 100000} ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }

@@ -19,6 +19,14 @@ Rows (GB/s; stores end with an fsync for every method):
 * ``phx-stream-N``  N threads (``--stream-threads``), a stream each, a share
   of the chunks each, released together; all bytes / (common start until
   the last stream is synchronised).
+* ``phx-stream-c-N`` the same ops (N = 1 and ``--stream-threads``) queued by
+  each thread in one call that never holds the GIL
+  (``Context.stream_loop``), as a C or C++ server's threads would; after
+  each read, instead of the kernel, a copy of the chunk's first 4 KiB to
+  pinned host memory on the same stream (work that needs the chunk,
+  checked the same way).  Beside ``phx-stream-N`` it tells phx's own
+  scaling over streams from the Python harness's (eight Python threads
+  share one GIL).
 * ``phx-batch``     ``phx.gpu.read_chunks`` / ``write_chunks``, one call.
 * ``pool-K``        the host-staged pool people write by hand (``--pool-threads``):
   K threads, each with two pinned host buffers and its own stream, chunks
@@ -58,7 +66,7 @@ ALIGN = 4096
 #: bytes of each chunk the dependent kernel after a stream read sums
 PROBE = 4096
 #: method families ``--stream-methods`` chooses among
-FAMILIES = ("stream", "batch", "pool", "kvikio")
+FAMILIES = ("stream", "stream-c", "batch", "pool", "kvikio")
 KVIKIO_THREADS = "16,64"
 
 
@@ -76,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="thread counts of the host-staged pool rows (default 8)")
     g.add_argument("--stream-methods", type=checked(csv(str, allowed=FAMILIES)),
                    default=",".join(FAMILIES),
-                   help="comma list of stream,batch,pool,kvikio (default all)")
+                   help="comma list of stream,stream-c,batch,pool,kvikio (default all)")
 
 
 # ---------------------------------------------------------------------------
@@ -177,6 +185,11 @@ def plan(opts: Options, stream_ok: bool, have_kvikio: bool, eng: Any) -> list[Me
                     rows.append(Method(
                         f"phx-stream-{n}", "stream", op, chunk, n,
                         lambda p, g, pat, n=n, w=w: phx_stream(p, g, pat, w, n, eng)))
+            if "stream-c" in opts.methods and stream_ok:
+                for n in opts.threads:
+                    rows.append(Method(
+                        f"phx-stream-c-{n}", "stream-c", op, chunk, n,
+                        lambda p, g, pat, n=n, w=w: phx_stream_c(p, g, pat, w, n, eng)))
             if "batch" in opts.methods:
                 rows.append(Method("phx-batch", "batch", op, chunk, None,
                                    lambda p, g, pat, w=w: phx_batch(p, g, pat, w, eng)))
@@ -250,6 +263,75 @@ def phx_stream(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
     if len(ops) != len(foffs):
         raise RuntimeError(f"phx-stream-{threads}: {len(ops)} of {len(foffs)} ops queued")
     return dt, [(k, p) for k, _, p in ops if p is not None]
+
+
+def _d2h_address() -> int:
+    """The address of the driver's ``cuMemcpyDtoHAsync_v2`` (libcuda.so.1:
+    the library libphx and torch loaded)."""
+    import ctypes
+    lib = ctypes.CDLL("libcuda.so.1")
+    addr = ctypes.cast(lib.cuMemcpyDtoHAsync_v2, ctypes.c_void_p).value
+    assert addr
+    return addr
+
+
+def phx_stream_c(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
+                 eng: Any) -> tuple[float, list]:
+    """``phx_stream``'s shares, streams and timing, but each thread queues all
+    its ops in one ``Context.stream_loop`` call that never holds the GIL;
+    after each read a device-to-host copy of the chunk's first PROBE bytes
+    on the same stream.  Probes come back as (chunk index, sum on the GPU)
+    for :func:`compare_probes`."""
+    import numpy as np
+    import phx
+    import phx.gpu as pg
+    import torch
+    chunk, n = pat.piece, len(pat.foffs)
+    shares = [s for s in (list(range(i, n, threads)) for i in range(threads)) if s]
+    order = np.concatenate([np.asarray(sh, dtype=np.int64) for sh in shares])
+    starts = np.cumsum([0] + [len(sh) for sh in shares]).tolist()
+    # rows of [size, file offset, GPU offset, bytes done], each thread's contiguous
+    args = np.empty((n, 4), dtype=np.int64)
+    args[:, 0] = chunk
+    args[:, 1] = np.asarray(pat.foffs, dtype=np.int64)[order]
+    args[:, 2] = np.asarray(pat.boffs, dtype=np.int64)[order]
+    args[:, 3] = -1
+    probe_t, probe = (None, None) if write else _pinned(n * PROBE)
+    d2h = 0 if write else _d2h_address()
+    streams: list[Any] = [None] * len(shares)
+    dev = gpu.device
+
+    def bind(i: int) -> None:
+        torch.cuda.set_device(dev)
+        streams[i] = torch.cuda.Stream(device=dev)
+
+    with phx.open(path, "r+" if write else "r", engine=eng) as f:
+        view = pg._view(gpu, f.path)
+        ctx = pg._ctx_for(f, view)
+
+        def body(i: int) -> None:
+            s = streams[i]
+            lo, hi = starts[i], starts[i + 1]
+            try:
+                ctx.stream_loop(f._c_file, view.ptr, args.ctypes.data + lo * args.strides[0],
+                                hi - lo, write, s.cuda_stream, d2h,
+                                0 if probe is None else probe.ctypes.data + lo * PROBE, PROBE)
+            finally:
+                s.synchronize()     # also after an error: nothing left in flight on close
+
+        dt = _g.fan_out(body, [(i,) for i in range(len(shares))], bind)
+        if write:
+            t = time.perf_counter()
+            f.fsync()
+            dt += time.perf_counter() - t
+    short = np.flatnonzero(args[:, 3] != chunk)
+    if short.size:
+        k = int(short[0])
+        raise _short(f"phx-stream-c-{threads}", int(args[k, 3]), chunk, int(args[k, 1]))
+    if probe is None:
+        return dt, []
+    sums = probe_t.view(n, PROBE).to(dev).sum(dim=1)
+    return dt, [(int(order[p]), sums[p]) for p in range(n)]
 
 
 def phx_batch(path: str, gpu, pat: _g.Pattern, write: bool, eng: Any) -> tuple[float, list]:
@@ -541,7 +623,7 @@ def measure(args: argparse.Namespace, opts: Options, json_path: str | None,
     eng = phx.Engine()
     staging = dict(phx.gpu.context(eng, dev).config)   # made before any row is timed
     stream_ok = bool(staging.get("memops", True))
-    if "stream" in opts.methods and not stream_ok:
+    if {"stream", "stream-c"} & set(opts.methods) and not stream_ok:
         why = staging.get("stream_ops_why") or "no stream memory operations"
         skipped["phx-stream"] = f"no stream-ordered ops here: {why}"
     for what, why in skipped.items():
@@ -617,7 +699,7 @@ def _one_row(m: Method, acc: _Acc, pat: _g.Pattern, where: str, rpath: str, wpat
         dst.zero_()
     torch.cuda.synchronize()        # the preparation is done before any method's stream starts
     drop_caches()
-    phx_row = m.family in ("stream", "batch")
+    phx_row = m.family in ("stream", "stream-c", "batch")
     c0 = phx.gpu.stats(eng) if phx_row else {}
     try:
         dt, probes = m.fn(wpath if write else rpath, src if write else dst, pat)
@@ -652,7 +734,7 @@ def _row_result(m: Method, a: _Acc, where: str, fs: str) -> dict[str, Any]:
             "chunk": m.chunk, "threads": m.threads, "runs_gbps": a.runs,
             "median_gbps": med, "spread": spread,
             "verified": bool(a.checks) and not a.errors, "errors": a.errors,
-            "counters": a.counters if m.family in ("stream", "batch") else None,
+            "counters": a.counters if m.family in ("stream", "stream-c", "batch") else None,
             "counter_ops": a.ops, "counters_per_op": per_op(a.counters, a.ops) or None}
 
 
@@ -684,6 +766,15 @@ def _div(a: dict | None, b: dict | None) -> float | None:
     return a["median_gbps"] / b["median_gbps"]
 
 
+def _worst_n(rows: list[dict[str, Any]], family: str,
+             one: dict | None) -> tuple[float | None, int | None]:
+    """The lowest (ratio, N) of a family's N > 1 rows to its one-thread row."""
+    sn = [(_div(r, one), r["threads"]) for r in rows
+          if _ok(r) and r["family"] == family and r["threads"] != 1]
+    sn = [x for x in sn if x[0] is not None]
+    return min(sn) if sn else (None, None)
+
+
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per device, op and chunk: phx-stream-1 against phx-batch, the best
     pool and the best KvikIO; the slowest phx-stream-N against phx-stream-1;
@@ -695,13 +786,14 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         batch = _best(rows, lambda r: r["method"] == "phx-batch")
         pl = _best(rows, lambda r: r["family"] == "pool")
         kv = _best(rows, lambda r: r["family"] == "kvikio")
-        phx_best = _best(rows, lambda r: r["family"] in ("stream", "batch"))
-        sn = [(_div(r, s1), r["threads"]) for r in rows
-              if _ok(r) and r["family"] == "stream" and r["threads"] != 1]
-        sn = [x for x in sn if x[0] is not None]
-        worst = min(sn) if sn else (None, None)
+        c1 = _best(rows, lambda r: r["method"] == "phx-stream-c-1")
+        phx_best = _best(rows, lambda r: r["family"] in ("stream", "stream-c", "batch"))
+        worst = _worst_n(rows, "stream", s1)
+        worst_c = _worst_n(rows, "stream-c", c1)
         out.append({"device": dev, "op": op, "chunk": chunk,
                     "stream1_vs_batch": _div(s1, batch),
+                    "streamc1_vs_batch": _div(c1, batch),
+                    "streamcN_vs_streamc1_min": worst_c[0], "streamcN_min_threads": worst_c[1],
                     "stream1_vs_pool": _div(s1, pl), "pool": pl and pl["method"],
                     "streamN_vs_stream1_min": worst[0], "streamN_min_threads": worst[1],
                     "stream1_vs_kvikio": _div(s1, kv), "kvikio_threads": kv and kv["threads"],
@@ -716,7 +808,7 @@ def _columns(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         if r["method"] not in cols:
             cols.append(r["method"])
-    order = {"stream": 0, "batch": 1, "pool": 2, "kvikio": 3}
+    order = {"stream": 0, "stream-c": 1, "batch": 2, "pool": 3, "kvikio": 4}
     fam = {r["method"]: r["family"] for r in results}
     thr = {r["method"]: r["threads"] or 0 for r in results}
     return sorted(cols, key=lambda m: (order.get(fam[m], 9), thr[m]))
@@ -783,10 +875,14 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          _fmt_ratio(x["stream1_vs_pool"], x["pool"]),
                          _fmt_ratio(x["streamN_vs_stream1_min"],
                                     x["streamN_min_threads"] and f"N={x['streamN_min_threads']}"),
+                         _fmt_ratio(x["streamc1_vs_batch"]),
+                         _fmt_ratio(x["streamcN_vs_streamc1_min"],
+                                    x["streamcN_min_threads"] and f"N={x['streamcN_min_threads']}"),
                          _fmt_ratio(x["stream1_vs_kvikio"]),
                          _fmt_ratio(x["phx_best_vs_kvikio"], x["phx_best"])])
         out.append(f"{dev}: {op}s, ratios")
         out.append(fmt_table(["chunk", "stream-1/batch", "stream-1/pool", "min stream-N/stream-1",
+                              "stream-c-1/batch", "min stream-c-N/stream-c-1",
                               "stream-1/kvikio", "best phx/kvikio"], body))
     out.extend(_ratio_summary(list(rat.values())))
     out.extend(_counter_report(results))
@@ -808,6 +904,8 @@ def _ratio_summary(rat: list[dict[str, Any]]) -> list[str]:
     keys = (("stream1_vs_batch", "phx-stream-1 / phx-batch"),
             ("stream1_vs_pool", "phx-stream-1 / pool"),
             ("streamN_vs_stream1_min", "min over N of phx-stream-N / phx-stream-1"),
+            ("streamc1_vs_batch", "phx-stream-c-1 / phx-batch"),
+            ("streamcN_vs_streamc1_min", "min over N of phx-stream-c-N / phx-stream-c-1"),
             ("stream1_vs_kvikio", "phx-stream-1 / KvikIO best"),
             ("phx_best_vs_kvikio", "best phx / KvikIO best"))
     panels: list[tuple[str, str]] = []
@@ -824,7 +922,8 @@ def _ratio_summary(rat: list[dict[str, Any]]) -> list[str]:
 
 def _counter_report(results: list[dict[str, Any]]) -> list[str]:
     """phx.gpu.stats() deltas of the phx-stream rows, per op."""
-    rows = [r for r in results if r["family"] == "stream" and r.get("counters_per_op")]
+    rows = [r for r in results if r["family"] in ("stream", "stream-c")
+            and r.get("counters_per_op")]
     if not rows:
         return []
     keys = sorted({k for r in rows for k in r["counters_per_op"]})
