@@ -107,6 +107,20 @@ def test_c_api_against_fake_cuda(fake_build, tmp_path, small_fs, mode):
         assert "skip failed_write_is_never_data" not in r.stdout
 
 
+def run_script(script: str, fake_build, tmp_path) -> str:
+    """Run ``script`` (argv[1]: ``tmp_path``) in a Python whose libcuda.so.1
+    is the fake; its stdout, once it exited 0."""
+    try:
+        import phx._lib.cuda  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"phx built without its GPU module: {e}")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
 PY_CHECK = textwrap.dedent(r"""
     import ctypes, os, sys
     import numpy as np
@@ -177,15 +191,7 @@ PY_CHECK = textwrap.dedent(r"""
 
 
 def test_python_layer_against_fake_cuda(fake_build, tmp_path):
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
-    r = subprocess.run([sys.executable, "-c", PY_CHECK, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "python ok" in r.stdout
+    assert "python ok" in run_script(PY_CHECK, fake_build, tmp_path)
 
 
 SHARED_BLOCKS = textwrap.dedent(r"""
@@ -249,14 +255,7 @@ SHARED_BLOCKS = textwrap.dedent(r"""
 def test_host_handles_and_gpu_lanes_share_partial_block_claims(fake_build, tmp_path):
     """Issue 9 on the fake: two host handles on their own engines and the GPU
     lanes write disjoint, unaligned bytes of the same 4 KiB blocks at once."""
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
-    r = subprocess.run([sys.executable, "-c", SHARED_BLOCKS, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_script(SHARED_BLOCKS, fake_build, tmp_path)
 
 
 STREAM_LOOP = textwrap.dedent(r"""
@@ -353,12 +352,4 @@ def test_stream_loop_against_fake_cuda(fake_build, tmp_path):
     unaligned sizes and places with a device-to-host copy of each chunk's
     head queued behind it, then 200 stores; every byte and every copy
     checked, a bad op raised with its index."""
-    try:
-        import phx._lib.cuda  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"phx built without its GPU module: {e}")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(fake_build))
-    r = subprocess.run([sys.executable, "-c", STREAM_LOOP, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "stream loop ok" in r.stdout
+    assert "stream loop ok" in run_script(STREAM_LOOP, fake_build, tmp_path)
