@@ -9,6 +9,7 @@
 #     tests   the GPU tests (tests/test_gpu*.py, the stream tests, the fake-libcuda tests)
 #     bench   phx bench gpu --pattern stream: zram and disk, reads and stores, 1-32 MiB
 #             chunks, 1/2/4/8 streams, beside pread_batch and the host-staged pool
+#     bench32 the same with CUDA_DEVICE_MAX_CONNECTIONS=32 (stream-conn32.json)
 #   (STREAM_BUDGET_S: seconds the whole call may take, 570 by default; GPU_TESTS:
 #   the test files; STREAM_BENCH_ARGS: the bench's options; STREAM_EARLY=0: early
 #   reads off for the bench)
@@ -79,8 +80,8 @@ tests() {
 		${EXTRA_TESTS:-} 2>&1 | tee -a "$LOG" | tail -40
 }
 
-bench() {
-	log bench
+bench() {	# $1: the name of the JSON and plot (stream)
+	log "bench ${1:-stream}"
 	local left
 	left=$(time_left)
 	[ "$left" -gt 60 ] || { log "bench skipped: no time left"; return 0; }
@@ -89,7 +90,7 @@ bench() {
 	PHX_CUDA_EARLY_READS=${STREAM_EARLY:-1} timeout $((left - 10)) python3 -m phx bench gpu \
 		--pattern stream --dir $BENCHDIR --zram 8G --quiet \
 		${STREAM_BENCH_ARGS:---chunk-bytes 512M --repeat 2} \
-		--json "$OUT/stream.json" --plot "$OUT/stream.png" 2>&1 | tee -a "$LOG" | tail -100
+		--json "$OUT/${1:-stream}.json" --plot "$OUT/${1:-stream}.png" 2>&1 | tee -a "$LOG" | tail -100
 }
 
 setup || exit 1
@@ -100,6 +101,9 @@ for step in "$@"; do
 	probe) probe ;;
 	tests) tests ;;
 	bench) bench ;;
+	# the same with 32 hardware work queues instead of CUDA's 8: does a stream
+	# waiting on a flag hold up others that share its queue?
+	bench32) CUDA_DEVICE_MAX_CONNECTIONS=32 bench stream-conn32 ;;
 	*) echo "unknown step $step"; exit 2 ;;
 	esac
 done
