@@ -103,7 +103,8 @@ for step in "$@"; do
 	bench) bench ;;
 	# the same with 32 hardware work queues instead of CUDA's 8: does a stream
 	# waiting on a flag hold up others that share its queue?
-	bench32) CUDA_DEVICE_MAX_CONNECTIONS=32 bench stream-conn32 ;;
+	bench32) CUDA_DEVICE_MAX_CONNECTIONS=32 STREAM_BENCH_ARGS=${STREAM_BENCH32_ARGS:-${STREAM_BENCH_ARGS:-}} \
+		bench stream-conn32 ;;
 	*) echo "unknown step $step"; exit 2 ;;
 	esac
 done
