@@ -213,6 +213,22 @@ def _short(what: str, got: int, want: int, offset: int) -> RuntimeError:
     return RuntimeError(f"{what}: moved {got} of {want} bytes at file offset {offset}")
 
 
+def _shares(n: int, threads: int) -> list[list[int]]:
+    """Every ``threads``-th chunk index per thread (threads with none left out)."""
+    return [s for s in (list(range(i, n, threads)) for i in range(threads)) if s]
+
+
+def _stream_binder(dev: Any, streams: list[Any]) -> Callable[[int], None]:
+    """``fan_out``'s bind: thread i makes its own stream on ``dev``
+    (before the common start, in the thread that uses it)."""
+    import torch
+
+    def bind(i: int) -> None:
+        torch.cuda.set_device(dev)
+        streams[i] = torch.cuda.Stream(device=dev)
+    return bind
+
+
 def phx_stream(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
                eng: Any) -> tuple[float, list]:
     """``threads`` threads, each with its own stream and its own share of the
@@ -224,15 +240,10 @@ def phx_stream(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
     import torch
     chunk = pat.piece
     foffs, boffs = pat.foffs.tolist(), pat.boffs.tolist()
-    shares = [s for s in (list(range(i, len(foffs), threads)) for i in range(threads)) if s]
+    shares = _shares(len(foffs), threads)
     streams: list[Any] = [None] * len(shares)
     done: list[list[tuple[int, Any, Any]]] = [[] for _ in shares]
-    dev = gpu.device
-
-    def bind(i: int) -> None:
-        # before the common start, in the thread that uses it
-        torch.cuda.set_device(dev)
-        streams[i] = torch.cuda.Stream(device=dev)
+    bind = _stream_binder(gpu.device, streams)
 
     def body(f, i: int) -> None:
         s = streams[i]
@@ -287,7 +298,7 @@ def phx_stream_c(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
     import phx.gpu as pg
     import torch
     chunk, n = pat.piece, len(pat.foffs)
-    shares = [s for s in (list(range(i, n, threads)) for i in range(threads)) if s]
+    shares = _shares(n, threads)
     order = np.concatenate([np.asarray(sh, dtype=np.int64) for sh in shares])
     starts = np.cumsum([0] + [len(sh) for sh in shares]).tolist()
     # rows of [size, file offset, GPU offset, bytes done], each thread's contiguous
@@ -300,10 +311,7 @@ def phx_stream_c(path: str, gpu, pat: _g.Pattern, write: bool, threads: int,
     d2h = 0 if write else _d2h_address()
     streams: list[Any] = [None] * len(shares)
     dev = gpu.device
-
-    def bind(i: int) -> None:
-        torch.cuda.set_device(dev)
-        streams[i] = torch.cuda.Stream(device=dev)
+    bind = _stream_binder(dev, streams)
 
     with phx.open(path, "r+" if write else "r", engine=eng) as f:
         view = pg._view(gpu, f.path)
