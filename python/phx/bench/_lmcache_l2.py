@@ -5,6 +5,8 @@ configuration, on the same filesystem (the disk under ``--dir``, and a zram
 ext4 with ``--zram``), one after another inside every repeat:
 
 * ``phx`` — ``phx_lmcache.l2.PhxL2Backend`` (storage plugin; checksums verified)
+* ``phx-crcthread`` — the same with ``phx_l2.crc_thread: true`` (a get's crc32c on a
+  thread of its own, beside the read: what hides the checksum where cores are free)
 * ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost);
   ``PHX_BENCH_L2_MODULE`` names another importable copy of the plugin for both
   (an earlier tree's, for before/after tables)
@@ -38,8 +40,8 @@ import numpy as np
 from phx.bench._common import drop_caches, fmt_table, median_spread, parse_size
 
 MiB, GiB = 1 << 20, 1 << 30
-METHODS = ("phx", "phx-noverify", "localdisk", "localdisk-odirect", "rawblock-uring",
-           "rawblock-posix")
+METHODS = ("phx", "phx-crcthread", "phx-noverify", "localdisk", "localdisk-odirect",
+           "rawblock-uring", "rawblock-posix")
 
 
 def add_arguments(p: Any) -> None:
@@ -87,7 +89,8 @@ def _manager(method: str, d: str, mib: int, nchunks: int, extra_cfg: dict | None
                       "phx_l2.paths": os.path.join(d, "phx-l2.slab"),
                       "phx_l2.capacity_gb": cap / GiB,
                       "phx_l2.max_queued_gb": 2 * cap / GiB,
-                      "phx_l2.verify": method == "phx"})
+                      "phx_l2.verify": method != "phx-noverify",
+                      "phx_l2.crc_thread": method == "phx-crcthread"})
     elif method.startswith("localdisk"):
         name = "LocalDiskBackend"
         kw.update(local_disk=os.path.join(d, "localdisk") + "/",
@@ -241,7 +244,7 @@ def _one(method: str, d: str, mib: int, nbytes: int, nlat: int,
                                                 float(np.percentile(pl, 99)) * 1e3)
         row["get_p50_ms"], row["get_p99_ms"] = (float(np.percentile(gl, 50)) * 1e3,
                                                 float(np.percentile(gl, 99)) * 1e3)
-        if method == "phx":
+        if method in ("phx", "phx-crcthread"):
             row["phx_stats"] = {k: v for k, v in be.stats().items() if v}
     finally:
         sm.close()
@@ -385,7 +388,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(s)
     # ratios: phx against the best other method of the same device and size
     for s in out:
-        if s["method"] != "phx":
+        if s["method"] not in ("phx", "phx-crcthread"):
             continue
         others = [o for o in out if (o["device"], o["chunk_mib"]) == (s["device"], s["chunk_mib"])
                   and not o["method"].startswith("phx")]
