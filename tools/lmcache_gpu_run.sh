@@ -13,6 +13,8 @@
 #                                      replay-disk replay-seed (the seed's token counts, ~6 min)
 #                                      l2 (issue 28's persistent tier, zram and disk, ~4 min;
 #                                      L2_ARGS: other bench options)
+#                                      live (issue 23's measured concurrency, zram, ~5 min;
+#                                      LIVE_ARGS: other bench options)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -100,6 +102,13 @@ step() {
 	replay-seed) bench replay-seed --mode replay --no-disk --zram 28G --sessions 2 --rounds 30 \
 		--token-scale 1.0 --concurrency 1,2,3,4,5,6,7,8,10,12,16 \
 		--replay-methods ${REPLAY_METHODS:-phx,host-odirect,host-buffered,cufile} ;;
+	# issue 23's measured concurrency: the replay's trace (16 sessions of 30
+	# rounds, 1/8 scale: a 20.5 GiB slab) with C sessions at once, loads, stores
+	# and prefills concurrent, 15 s of arrivals per C (~7 min with build;
+	# LIVE_ARGS: other options)
+	live) bench live --mode live --no-disk ${LIVE_ARGS:---zram 24G --sessions 16 --rounds 30 \
+		--token-scale 0.125 --live-concurrency 1,4,8,16 --live-seconds 15 \
+		--replay-methods phx,host-odirect,cufile} ;;
 	# issue 28's persistent tier (no GPU needed; the box's 16 CPUs and its
 	# disk): every method side by side, zram and disk, the recovery row
 	l2) bench l2 --mode l2 ${L2_ARGS:---zram 3G --repeat 3 --l2-chunk-mib 1,4,16,32 \

@@ -164,6 +164,18 @@ class GDSMethod:
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def transfer(self, pool: GPUPool, pairs, write: bool, stream) -> None:
+        """Move chunks ``(slot, slab_index)`` on ``stream`` and wait for them
+        (that stream only): what one request of the live replay does from its
+        own thread; GDSContext takes the calling thread's current stream."""
+        import torch
+        d = self._dir.WRITE if write else self._dir.READ
+        with torch.cuda.stream(stream):
+            for slot, j in pairs:
+                obj = _memory_obj(j * self.chunk, self.chunk, self.shape)
+                self.ctx.transfer_async(obj, pool.slot(slot), d)
+        stream.synchronize()
+
     def close(self) -> None:
         self.sync()
         for p in self.pools:
@@ -267,6 +279,15 @@ class HostStaged:
 
     def sync(self) -> None:
         futs, self._futs = self._futs, []
+        for f in futs:
+            f.result()
+
+    def transfer(self, pool: GPUPool, pairs, write: bool, stream=None) -> None:
+        """Move chunks ``(slot, slab_index)`` through the disk threads and wait
+        for those only (any thread may call it; the threads are shared, as
+        LocalDiskBackend's are).  ``stream`` is unused: each copy has its own."""
+        fn = self._store_one if write else self._load_one
+        futs = [self.pool.submit(fn, pool.slot(slot), j) for slot, j in pairs]
         for f in futs:
             f.result()
 

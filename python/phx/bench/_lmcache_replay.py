@@ -153,7 +153,9 @@ class Prefill:
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                              logits_to_keep=1)
         if self.device != "cpu":
-            torch.cuda.synchronize()
+            # this thread's stream only: in the live replay other sessions'
+            # loads run on their own streams and must not be waited for here
+            torch.cuda.current_stream().synchronize()
         return out
 
 
@@ -165,33 +167,57 @@ def _chunk_bytes(p: Prefill) -> int:
 # Measurement
 # ---------------------------------------------------------------------------
 
+def open_replay_method(name: str, directory: str, slab_bytes: int, shape, pools, notes: dict,
+                       tag: str):
+    """The method (``_lmcache_methods.open_method``), or None with the reason in
+    ``notes[f"{tag}-{name}"]``; ``cufile`` falls back to KvikIO compat where
+    LMCache's cufile backend cannot start, and says so."""
+    from phx.bench._lmcache_methods import open_method
+    m, why = open_method(name, directory, slab_bytes, shape, pools)
+    if m is None and name == "cufile":
+        notes[f"{tag}-cufile"] = f"LMCache's cufile backend did not start ({why}): KvikIO compat"
+        m, why = open_method("kvikio", directory, slab_bytes, shape, pools)
+        if m is None:
+            notes[f"{tag}-cufile"] += f"; KvikIO compat did not start either: {why}"
+        return m
+    if m is None:
+        notes[f"{tag}-{name}"] = why
+    return m
+
+
+def slab_layout(trace) -> tuple[list[int], int, int]:
+    """(first slab chunk of each session, chunks in all, the most chunks one
+    request loads): each session owns the chunks of its longest context."""
+    counts = [max((r["prefix"] + r["new"]) // TOKENS_PER_CHUNK for r in s) + 1 for s in trace]
+    bases = [sum(counts[:i]) for i in range(len(counts))]
+    maxload = max(r["prefix"] // TOKENS_PER_CHUNK for s in trace for r in s) or 1
+    return bases, sum(counts), maxload
+
+
+def prestore(m, pattern, total: int) -> None:
+    """Slab chunk j := pattern slot j % 97, for j < total (untimed); then the
+    page cache is dropped, so that loads come from the device."""
+    from phx.bench._common import drop_caches
+    for j in range(total):
+        m.store(pattern, j % 97, j)
+    m.sync()
+    drop_caches()
+
+
 def measure(method_name: str, directory: str, trace, shape, prefill, notes) -> dict | None:
     """Service times (load, prefill) of every request, run alone."""
     import torch
-    from phx.bench._common import drop_caches
-    from phx.bench._lmcache_methods import GPUPool, open_method
-    counts = [max((r["prefix"] + r["new"]) // TOKENS_PER_CHUNK for r in s) + 1 for s in trace]
-    bases = [sum(counts[:i]) for i in range(len(counts))]
-    total = sum(counts)
-    maxload = max(r["prefix"] // TOKENS_PER_CHUNK for s in trace for r in s) or 1
+    from phx.bench._lmcache_methods import GPUPool
+    bases, total, maxload = slab_layout(trace)
     pattern = GPUPool(97, shape)          # chunk j holds pattern slot j % 97
     pattern.fill_random(12345)
     kv = GPUPool(maxload, shape)
-    m, why = open_method(method_name, directory, total * pattern.chunk, shape, [pattern, kv])
-    if m is None and method_name == "cufile":
-        notes["replay-cufile"] = f"LMCache's cufile backend did not start ({why}): KvikIO compat"
-        m, why = open_method("kvikio", directory, total * pattern.chunk, shape, [pattern, kv])
-        if m is None:
-            notes["replay-cufile"] += f"; KvikIO compat did not start either: {why}"
-            return None
+    m = open_replay_method(method_name, directory, total * pattern.chunk, shape,
+                           [pattern, kv], notes, "replay")
     if m is None:
-        notes[f"replay-{method_name}"] = why
         return None
     try:
-        for j in range(total):
-            m.store(pattern, j % 97, j)
-        m.sync()
-        drop_caches()
+        prestore(m, pattern, total)
         service: list[list[dict]] = [[] for _ in trace]
         checked = bad = 0
         rounds = max(len(s) for s in trace)
@@ -269,6 +295,16 @@ def _common_prefill(results: list[dict]) -> None:
                 q["prefill_s"] = med
 
 
+def warm_up(prefill: Prefill, trace) -> None:
+    """Prefills at the trace's sizes: kernels, cuBLAS heuristics and the caching
+    allocator settle here, not in the first method's first requests (a
+    16-token warm-up left ~0.2 s per request of it in the first method)."""
+    biggest = max(r["new"] + r["prefix"] % TOKENS_PER_CHUNK for s in trace for r in s)
+    for _ in range(2):
+        for t in sorted({16, 256, min(biggest, 1024), biggest}):
+            prefill(None, 0, t)
+
+
 def run_replay(args, device: str, directory: str, notes: dict) -> dict[str, Any]:
     from phx.bench._lmcache_methods import llama3_8b_chunk_shape
     shape = llama3_8b_chunk_shape(TOKENS_PER_CHUNK)
@@ -283,13 +319,7 @@ def run_replay(args, device: str, directory: str, notes: dict) -> dict[str, Any]
         notes["replay-model"] = f"{type(e).__name__}: {e}"
         print(f"replay: no model: {notes['replay-model']}", file=sys.stderr)
         return out
-    # Warm-up at the trace's sizes: kernels, cuBLAS heuristics and the caching
-    # allocator settle here, not in the first method's first requests (a
-    # 16-token warm-up left ~0.2 s per request of it in the first method).
-    biggest = max(r["new"] + r["prefix"] % TOKENS_PER_CHUNK for s in trace for r in s)
-    for _ in range(2):
-        for t in sorted({16, 256, min(biggest, 1024), biggest}):
-            prefill(None, 0, t)
+    warm_up(prefill, trace)
     concs = [int(x) for x in args.concurrency.split(",") if x]
     results = []
     for name in [x for x in args.replay_methods.split(",") if x]:
@@ -369,7 +399,7 @@ def plot_ttft(ax, rep: dict[str, Any]) -> None:
                      else m["by_concurrency"][str(c)]["p90_s"] for c in cs], marker="o",
                 label=f"{name} ({m['sessions_within_limit']} within)")
     ax.axhline(rep.get("ttft_limit_s", 5.0), color="grey", ls="--")
-    ax.set_xlabel("concurrent sessions")
+    ax.set_xlabel("concurrent sessions (queue model: a projection)")
     ax.set_ylabel("TTFT p90 (s)")
     ax.set_yscale("log")
     ax.legend()

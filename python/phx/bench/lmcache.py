@@ -22,7 +22,10 @@ order each repeat.
 The agentic replay (``--mode replay``, ``phx.bench._lmcache_replay``): TTFT
 per round = prefix KV load from the slab + prefill of the new tokens on a
 randomly initialised Llama-3-8B-shaped model, and the sessions served
-within a 5 s TTFT.
+within a 5 s TTFT computed from those times by a queue model (a projection).
+``--mode live`` (``phx.bench._lmcache_live``) runs the same trace with C
+sessions at once for real: loads, stores and prefills concurrently, TTFT
+p50/p99 measured.
 
 Needs torch with CUDA and lmcache 0.5.6 (``adapters/lmcache/tools/
 lmcache-deps.sh``); without them it says why on one line and exits 2.
@@ -47,9 +50,10 @@ METHODS = ("phx", "cufile", "host-buffered", "host-odirect")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # checked here, kept as text: the run parses them
-    p.add_argument("--mode", type=checked(csv(str, allowed=("chunks", "replay", "l2"))),
+    p.add_argument("--mode", type=checked(csv(str, allowed=("chunks", "replay", "live", "l2"))),
                    default="chunks,replay",
-                   help="chunks, replay (default: both), l2 (the persistent disk tier: "
+                   help="chunks, replay (default: both), live (the replay's sessions run "
+                        "concurrently, measured), l2 (the persistent disk tier: "
                         "phx's storage plugin vs LocalDiskBackend vs rust_raw_block, CPU only)")
     p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also run on a zram ext4 of SIZE (root)")
@@ -66,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(
         p, dir_help="directory on the disk (default $PHX_BENCH_DIR or /var/tmp/phxbench)",
         repeat=3, quiet_help="no per-row lines on stderr")
-    from phx.bench import _lmcache_l2, _lmcache_replay
+    from phx.bench import _lmcache_l2, _lmcache_live, _lmcache_replay
     _lmcache_replay.add_arguments(p)
+    _lmcache_live.add_arguments(p)
     _lmcache_l2.add_arguments(p)
 
 
@@ -233,13 +238,15 @@ def _print(summary: list[dict]) -> None:
                      "p99 ms", "load CPU s/GB", "store CPU s/GB", "exact", "phx/x load"], rows))
 
 
-def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
-    """Chunk load GB/s (when chunks ran) and, for a replay, each method's
-    TTFT distribution alone and its p90 TTFT against concurrent sessions."""
+def _plot(summary: list[dict], replay: dict | None, path: str,
+          live: dict | None = None) -> None:
+    """Chunk load GB/s (when chunks ran); for a replay, each method's TTFT
+    distribution alone and its modelled p90 TTFT against concurrent sessions;
+    for a live run, its measured p99 TTFT against concurrent sessions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    n = (1 if summary else 0) + (2 if replay else 0)
+    n = (1 if summary else 0) + (2 if replay else 0) + (1 if live else 0)
     if not n:
         return
     fig, axes = plt.subplots(1, n, figsize=(7 * n, 4.5))
@@ -258,8 +265,11 @@ def _plot(summary: list[dict], replay: dict | None, path: str) -> None:
         ax.legend()
     if replay:
         from phx.bench._lmcache_replay import plot_ttft, plot_ttft_alone
-        plot_ttft_alone(axes[0], replay)
-        plot_ttft(axes[1], replay)
+        plot_ttft_alone(axes.pop(0), replay)
+        plot_ttft(axes.pop(0), replay)
+    if live:
+        from phx.bench._lmcache_live import plot as plot_live
+        plot_live(axes.pop(0), live)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -283,8 +293,9 @@ def run(args) -> int:
     results: list[dict] = []
     notes: dict[str, str] = {}
     replay: dict[str, Any] = {}
+    live: dict[str, Any] = {}
     places = [] if args.no_disk else [("disk", directory)]
-    from phx.bench import _lmcache_replay, _zram
+    from phx.bench import _lmcache_live, _lmcache_replay, _zram
     zram_cm = None
     if args.zram:
         size = parse_size(args.zram)
@@ -305,6 +316,8 @@ def run(args) -> int:
                 chunk_rows(args, device, d, results, notes)
             if "replay" in modes:
                 replay[device] = _lmcache_replay.run_replay(args, device, d, notes)
+            if "live" in modes:
+                live[device] = _lmcache_live.run_live(args, device, d, notes)
         if "l2" in modes:
             from phx.bench import _lmcache_l2
             l2 = _lmcache_l2.run_l2(args, places, notes)
@@ -316,6 +329,8 @@ def run(args) -> int:
         _print(summary)
     for device, rep in replay.items():
         _lmcache_replay.print_summary(device, rep)
+    for device, rep in live.items():
+        _lmcache_live.print_summary(device, rep)
     if l2:
         from phx.bench import _lmcache_l2
         _lmcache_l2.print_summary(l2)
@@ -323,17 +338,23 @@ def run(args) -> int:
     payload = {"benchmark": "lmcache",
                "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                "notes": notes, "rows": results, "summary": summary, "replay": replay,
-               "l2": l2,
+               "live": live, "l2": l2,
                "libphxfile": phx_lmcache.stats() if modes != {"l2"} else None}
     write_json(args.json, payload)
-    if args.plot and (summary or replay):
-        _plot(summary, next(iter(replay.values()), None), args.plot)
+    if args.plot and (summary or replay or live):
+        _plot(summary, next(iter(replay.values()), None), args.plot,
+              next(iter(live.values()), None))
     bad = [s for s in summary + (l2.get("summary") or []) if not s["byte_exact"]]
     for s in bad:
         print(f"phx bench lmcache: {s['device']} {s['method']}: loaded bytes differ!",
               file=sys.stderr)
+    bad_live = [(dev, name) for dev, rep in live.items()
+                for name, m in rep.get("methods", {}).items()
+                if any(s["bad_requests"] for s in m["levels"])]
+    for dev, name in bad_live:
+        print(f"phx bench lmcache: live {dev} {name}: loaded bytes differ!", file=sys.stderr)
     if not summary and not any(r.get("methods") for r in replay.values()) and \
-            not (l2.get("summary")):
+            not any(r.get("methods") for r in live.values()) and not (l2.get("summary")):
         print("phx bench lmcache: nothing was measured", file=sys.stderr)
         return 1
-    return 1 if bad else 0
+    return 1 if bad or bad_live else 0
