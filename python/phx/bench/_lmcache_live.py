@@ -310,7 +310,8 @@ def measure_live(args, name: str, directory: str, trace, shape, prefill,
 def run_live(args, device: str, directory: str, notes: dict) -> dict[str, Any]:
     """Every ``--replay-methods`` method at every ``--live-concurrency``."""
     from phx.bench._lmcache_methods import llama3_8b_chunk_shape
-    from phx.bench._lmcache_replay import Prefill, make_trace, trace_stats, warm_up
+    from phx.bench._lmcache_replay import (Prefill, each_method, make_trace, trace_stats,
+                                           warm_up)
     concs = [int(x) for x in args.live_concurrency.split(",") if x]
     shape = llama3_8b_chunk_shape(TOKENS_PER_CHUNK)
     # a profile of its own for every concurrent session
@@ -325,16 +326,9 @@ def run_live(args, device: str, directory: str, notes: dict) -> dict[str, Any]:
         notes["live-model"] = f"{type(e).__name__}: {e}"
         return out
     warm_up(prefill, trace)
-    for name in [x for x in args.replay_methods.split(",") if x]:
-        try:
-            res = measure_live(args, name, os.path.join(directory, "lmcache-live"), trace,
-                               shape, prefill, notes)
-        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
-            notes[f"live-{device}-{name}"] = f"{type(e).__name__}: {e}"
-            print(f"live {device} {name} failed: {e}", file=sys.stderr)
-            continue
-        if res is not None:
-            out["methods"][res["method"]] = res
+    for res in each_method(args.replay_methods, device, "live", notes, lambda name: measure_live(
+            args, name, os.path.join(directory, "lmcache-live"), trace, shape, prefill, notes)):
+        out["methods"][res["method"]] = res
     return out
 
 

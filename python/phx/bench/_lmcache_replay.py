@@ -295,6 +295,23 @@ def _common_prefill(results: list[dict]) -> None:
                 q["prefill_s"] = med
 
 
+def each_method(methods: str, device: str, tag: str, notes: dict, run) -> list[dict]:
+    """``run(name)`` for each name of the comma list ``methods``, in order: the
+    results that are not None; a method that raises is recorded in
+    ``notes[f"{tag}-{device}-{name}"]`` and the others still run."""
+    out = []
+    for name in [x for x in methods.split(",") if x]:
+        try:
+            res = run(name)
+        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
+            notes[f"{tag}-{device}-{name}"] = f"{type(e).__name__}: {e}"
+            print(f"{tag} {device} {name} failed: {e}", file=sys.stderr)
+            continue
+        if res is not None:
+            out.append(res)
+    return out
+
+
 def warm_up(prefill: Prefill, trace) -> None:
     """Prefills at the trace's sizes: kernels, cuBLAS heuristics and the caching
     allocator settle here, not in the first method's first requests (a
@@ -321,17 +338,8 @@ def run_replay(args, device: str, directory: str, notes: dict) -> dict[str, Any]
         return out
     warm_up(prefill, trace)
     concs = [int(x) for x in args.concurrency.split(",") if x]
-    results = []
-    for name in [x for x in args.replay_methods.split(",") if x]:
-        try:
-            res = measure(name, os.path.join(directory, "lmcache-replay"), trace, shape,
-                          prefill, notes)
-        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
-            notes[f"replay-{device}-{name}"] = f"{type(e).__name__}: {e}"
-            print(f"replay {device} {name} failed: {e}", file=sys.stderr)
-            continue
-        if res is not None:
-            results.append(res)
+    results = each_method(args.replay_methods, device, "replay", notes, lambda name: measure(
+        name, os.path.join(directory, "lmcache-replay"), trace, shape, prefill, notes))
     _common_prefill(results)
     for res in results:
         flat = [q for s in res["service"] for q in s]
