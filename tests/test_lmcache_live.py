@@ -142,6 +142,23 @@ def test_a_failing_prefill_is_raised_not_hidden():
         serve(_trace(), 2, 0.3, 5, Broken(), buffers=2, stagger=0.0)
 
 
+def test_a_failing_check_gives_its_buffer_back():
+    # one buffer, three sessions: a session that dies holding the buffer
+    # must not leave the other two waiting for it (serve would never return)
+    class BadCheck(FakeOps):
+        def check(self, buf, session, n):
+            if session == 0:
+                raise RuntimeError("CUDA error: device-side assert")
+            return super().check(buf, session, n)
+    ops = BadCheck(buffers=1)
+    t = threading.Thread(target=lambda: pytest.raises(
+        RuntimeError, serve, _trace(), 3, 0.8, 6, ops, buffers=1, stagger=0.0), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "serve hung after a session failed holding a KV buffer"
+    assert len(ops.prefills) > 1      # the others went on after it failed
+
+
 def test_served_is_the_largest_concurrency_within_the_limit():
     lv = [{"concurrency": 1, "requests": 9, "ttft_p99_s": 0.5},
           {"concurrency": 4, "requests": 9, "ttft_p99_s": 4.9},

@@ -119,23 +119,28 @@ def serve(trace: list[list[dict]], conc: int, seconds: float, seed: int, ops: Li
         n = req["prefix"] // TOKENS_PER_CHUNK
         arrival = time.perf_counter()
         buf = free.get()
-        got = time.perf_counter()
-        miss = None
+        # the buffer goes back whatever happens: a session that failed holding
+        # it would leave the others waiting for it for ever
         try:
-            if n:
-                ops.load(buf, si, n)
-        except Exception as e:  # noqa: BLE001 - a failed retrieve: recompute
-            miss = f"{type(e).__name__}: {e}"
-        loaded = time.perf_counter()
-        kv = 0 if miss else n
-        job = {"buf": buf, "n": kv, "new": req["prefix"] + req["new"] - kv * TOKENS_PER_CHUNK,
-               "done": threading.Event()}
-        jobs.put(job)
-        job["done"].wait()
-        checked = None
-        if kv and nreq % CHECK_EVERY == 0:
-            checked = ops.check(buf, si, kv)
-        free.put(buf)
+            got = time.perf_counter()
+            miss = None
+            try:
+                if n:
+                    ops.load(buf, si, n)
+            except Exception as e:  # noqa: BLE001 - a failed retrieve: recompute
+                miss = f"{type(e).__name__}: {e}"
+            loaded = time.perf_counter()
+            kv = 0 if miss else n
+            job = {"buf": buf, "n": kv,
+                   "new": req["prefix"] + req["new"] - kv * TOKENS_PER_CHUNK,
+                   "done": threading.Event()}
+            jobs.put(job)
+            job["done"].wait()
+            checked = None
+            if kv and nreq % CHECK_EVERY == 0 and "error" not in job:
+                checked = ops.check(buf, si, kv)
+        finally:
+            free.put(buf)
         if "error" in job:
             raise RuntimeError(f"prefill failed: {job['error']}")
         done_chunks = (req["prefix"] + req["new"]) // TOKENS_PER_CHUNK
