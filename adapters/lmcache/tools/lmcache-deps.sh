@@ -21,9 +21,10 @@ PKGS=(lmcache==0.5.6 cachetools pyyaml requests urllib3 idna certifi charset-nor
       aiohappyeyeballs aiosignal frozenlist sortedcontainers cryptography cffi pycparser
       aiofile caio msgspec pyzmq blake3 nvtx redis setuptools_scm cufile-python numba llvmlite)
 # What the H200's /opt/torch venv lacks (docs: shared notes on the machines):
-# the rest of the list above is already there.
+# the rest of the list above is already there; crc32c is phx_lmcache.l2's
+# checksum (phx[lmcache]; its absence stopped a first l2 run on the box).
 H200_PKGS=(lmcache==0.5.6 cachetools msgspec blake3 nvtx pyzmq aiofile caio redis
-           setuptools_scm cufile-python cryptography cffi pycparser)
+           setuptools_scm cufile-python cryptography cffi pycparser "crc32c>=2.3")
 cmd=${1:?install TARGET | download DIR [PYVER]}
 dir=${2:?folder}
 case $cmd in
