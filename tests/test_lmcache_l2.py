@@ -167,7 +167,10 @@ def test_bit_flip_in_payload(results: dict[str, Any], fs: str) -> None:
     _exact(r["again"]["check"], [0, 1, 3, 4, 6, 7], [2, 5])
     _exact(r["two_readers"]["check"], [0, 1, 3, 4, 6], [2, 5, 7])   # readers: 2
     assert r["two_readers"]["stats"]["checksum_failures"] == 1
-    _exact(r["crc_thread"]["check"], [0, 1, 3, 6], [2, 4, 5, 7])     # crc_thread: true
+    _exact(r["auto_readers"]["check"], [0, 1, 3, 4], [2, 5, 6, 7])  # 16 CPUs: 8 readers
+    assert (r["auto_readers"]["readers"], r["auto_readers"]["engines"]) == (8, 8)
+    assert r["auto_readers"]["stats"]["checksum_failures"] == 1
+    _exact(r["crc_thread"]["check"], [0, 1, 3], [2, 4, 5, 6, 7])     # crc_thread: true
     assert r["crc_thread"]["stats"]["checksum_failures"] == 1
     assert r["restart"]["stats"]["pool_registered_bytes"] > 0      # LMCache's pool, fixed
     assert "pool_registered_bytes" not in r["crc_thread"]["stats"]
@@ -232,3 +235,28 @@ def test_two_slab_files(results: dict[str, Any], fs: str) -> None:
     _exact(r["run"]["check"], range(12))
     assert r["run"]["second"] == "SlabInUseError"
     _exact(r["restart"]["check"], range(12))
+
+
+def test_readers_setting() -> None:
+    """``phx_l2.readers``: a count, or auto (half the usable CPUs, 1 to 8);
+    anything else is refused with the key's name."""
+    code = ("import os, json\n"
+            "from phx_lmcache.l2.backend import _readers\n"
+            "out = {}\n"
+            "for n in (1, 2, 3, 16, 64):\n"
+            "    os.sched_getaffinity = lambda pid, n=n: set(range(n))\n"
+            "    out[n] = _readers('auto')\n"
+            "out['ints'] = [_readers(3), _readers('5')]\n"
+            "for bad in (0, -1, 'many', None):\n"
+            "    try:\n"
+            "        _readers(bad)\n"
+            "    except ValueError as e:\n"
+            "        out[repr(bad)] = str(e)\n"
+            "print(json.dumps(out))\n")
+    r = support.run_py(code, [], support.child_env(SITE or ""))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [out[str(n)] for n in (1, 2, 3, 16, 64)] == [1, 1, 1, 8, 8]
+    assert out["ints"] == [3, 5]
+    for bad in ("0", "-1", "'many'", "None"):
+        assert "phx_l2.readers" in out[bad], out

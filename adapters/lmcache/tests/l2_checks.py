@@ -65,8 +65,9 @@ def make_cfg(slab: str, slots: int, **extra: object) -> LMCacheEngineConfig:
           "phx_l2.paths": slab,
           "phx_l2.capacity_gb": (4096 + slots * SLOT) / (1 << 30),
           # 4 pieces per chunk, 2 in flight: the verify pipeline's piece and window
-          # paths (one reader, the default; sc_flip_payload also runs two)
-          "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2}
+          # paths; one reader whatever the CPUs (sc_flip_payload also runs two, and
+          # "auto" as on 16 CPUs)
+          "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2, "phx_l2.readers": 1}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
     if "," in slab:
         ex["phx_l2.capacity_gb"] = (slab.count(",") + 1) * (4096 + slots * SLOT) / (1 << 30)
@@ -343,10 +344,24 @@ def sc_flip_payload(d):
     c = run(ph_check, slab, 16, idx)
     flip(slab, a["offsets"]["7"] + 4096 + 3 * CHUNK // 4 + 5)      # in its last piece
     two = run(ph_check, slab, 16, idx, {"readers": 2})             # two reader threads
+    flip(slab, a["offsets"]["6"] + 4096 + CHUNK - 4096)           # in its last piece
+
+    def auto(out):
+        # readers "auto" where 16 CPUs are usable: 8 readers, an engine each, the
+        # live chunks dealt one to a reader
+        os.sched_getaffinity = lambda pid: set(range(16))
+        sm, l2, cpu = make(slab, 16, readers="auto")
+        res = {"check": check(sm, l2, idx), "stats": stats(l2), "readers": l2.readers,
+               "engines": len(l2._engines)}
+        sm.close()
+        return res
+
+    many = run(auto)
     flip(slab, a["offsets"]["4"] + 4096 + CHUNK // 3)
     # the checksum on the crc thread, LMCache's pool not registered
     ct = run(ph_check, slab, 16, idx, {"crc_thread": True, "register_pool": False})
-    return {"restart": b, "again": c, "two_readers": two, "crc_thread": ct}
+    return {"restart": b, "again": c, "two_readers": two, "auto_readers": many,
+            "crc_thread": ct}
 
 
 def sc_flip_header(d):

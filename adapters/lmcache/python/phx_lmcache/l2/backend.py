@@ -93,6 +93,25 @@ def _obj_meta(obj: Any) -> bytes:
                            None if cp is None else [int(x) for x in cp.tolist()])
 
 
+def _readers(value: Any) -> int:
+    """``phx_l2.readers``: a count, or ``auto`` - half the CPUs this process may
+    run on, 1 to 8.  A read from a device that copies inside the submitting call
+    (zram, a page-cache hit) is one CPU per reader: on the H100 box's 16 CPUs one
+    reader got 3.4-4.2 GB/s from zram where LocalDiskBackend's 4 threads got
+    12.4.  Half, because LMCache's own threads and the engine's want the rest;
+    on 2 CPUs, 1 (two readers there were no faster: docs/lmcache-l2.md).  At
+    most 8: a get of LMCache's usual batch (8 chunks) deals one chunk to each."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"phx_l2.readers must be a count or 'auto', not {value!r}") from None
+    if n < 1:
+        raise ValueError(f"phx_l2.readers must be at least 1, not {n}")
+    return n
+
+
 def _as_bool(v: Any) -> bool:
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes", "on")
@@ -131,13 +150,13 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self.max_queued = int(float(extra.get("phx_l2.max_queued_gb", 1)) * GiB)
         self.verify = _as_bool(extra.get("phx_l2.verify", True))
         self.fsync = _as_bool(extra.get("phx_l2.fsync", False))
-        # One reader with 16 pieces of 2 MiB in flight beat two readers with 2 each
-        # (zram, 16 MiB chunks, alternated 3 times on the loaded dev box: 1.74/2.19/1.43
-        # vs 1.25/1.54/1.40 GB/s): two threads submitting to one engine contend.
+        # 16 pieces of 2 MiB in flight per reader: one reader with that beat two with
+        # 2 each on one engine (zram, 16 MiB chunks, the loaded 2-core dev box:
+        # 1.74/2.19/1.43 vs 1.25/1.54/1.40 GB/s).  Readers now have an engine each.
         self.window = max(1, int(extra.get("phx_l2.read_window", 16)))   # pieces in flight
         self.piece = max(fmt.ALIGN, int(extra.get("phx_l2.read_piece_kb", 2048)) * 1024
                          // fmt.ALIGN * fmt.ALIGN)
-        self.readers = max(1, int(extra.get("phx_l2.readers", 1)))
+        self.readers = _readers(extra.get("phx_l2.readers", "auto"))
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
         # crc32c of a get's pieces on a thread of its own (see _reader); off by
         # default: on the 2-core dev box it cost ~5 % more CPU per byte (the thread
@@ -202,8 +221,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self.counters["recovery_dropped"] = self._slab.dropped
         self.counters["recovery_s"] = self._slab.recovery_s
         log.info("phx L2: %d slot(s) of %d KiB in %s; %d entries recovered in %.3f s "
-                 "(%d dropped)", n, self.slot_bytes >> 10, ",".join(paths), len(self._index),
-                 self._slab.recovery_s, self._slab.dropped)
+                 "(%d dropped); %d reader(s)", n, self.slot_bytes >> 10, ",".join(paths),
+                 len(self._index), self._slab.recovery_s, self._slab.dropped, self.readers)
 
         self._q: queue.Queue[Any] = queue.Queue()
         self._closed = False
@@ -851,6 +870,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             d["entries"] = len(self._index)
             d["slots"] = self._slab.slot_count
             d["queued_bytes"] = self._queued_bytes
+            d["readers"] = self.readers
         return d
 
     def flush(self, timeout: float = 60.0) -> bool:
