@@ -165,3 +165,45 @@ def test_served_is_the_largest_concurrency_within_the_limit():
           {"concurrency": 8, "requests": 9, "ttft_p99_s": 7.0},
           {"concurrency": 16, "requests": 0, "ttft_p99_s": 0.0}]
     assert served(lv, 5.0) == 4 and served(lv, 0.1) == 0
+
+
+def test_a_method_named_twice_keeps_both_runs() -> None:
+    """``--replay-methods host-odirect,phx,host-odirect`` (the same baseline
+    before and after, for drift): both of its runs are kept, under distinct
+    names, and a failing run is recorded under its own name."""
+    from phx.bench._lmcache_replay import each_method
+    calls: list[str] = []
+
+    def run(name: str) -> dict:
+        calls.append(name)
+        if name == "bad":
+            raise RuntimeError("no such backend")
+        return {"method": name, "n": len(calls)}
+
+    notes: dict[str, str] = {}
+    res = each_method("host-odirect,phx,host-odirect,bad,bad", "zram", "live", notes, run)
+    assert calls == ["host-odirect", "phx", "host-odirect", "bad", "bad"]
+    assert [(r["method"], r["n"]) for r in res] == [("host-odirect", 1), ("phx", 2),
+                                                    ("host-odirect#2", 3)]
+    assert sorted(notes) == ["live-zram-bad", "live-zram-bad#2"]
+
+
+def test_every_method_warms_up_on_kv_at_the_traces_sizes() -> None:
+    """Before timing, each method's ``GpuOps`` prefills on top of KV from its
+    own buffer 0, at the trace's smallest, middle and largest loads (never
+    more chunks than a buffer holds) and at its largest prompt."""
+    from phx.bench._lmcache_live import GpuOps
+    from phx.bench._lmcache_replay import slab_layout
+    trace = make_trace(4, 5, 0.125, 7)
+    _, _, maxload = slab_layout(trace)
+    ops = GpuOps.__new__(GpuOps)
+    calls: list[tuple[int, int, int]] = []
+    ops.prefill = lambda buf, n, t: calls.append((buf, n, t))   # type: ignore[method-assign]
+    ops.warm_up(trace)
+    loads = sorted({r["prefix"] // TOKENS_PER_CHUNK for s in trace for r in s} - {0})
+    biggest = max(r["prefix"] + r["new"] - r["prefix"] // TOKENS_PER_CHUNK * TOKENS_PER_CHUNK
+                  for s in trace for r in s)
+    assert {b for b, _, _ in calls} == {0}
+    assert {n for _, n, _ in calls} == {loads[0], loads[len(loads) // 2], maxload}
+    assert {t for _, _, t in calls} == {16, biggest}
+    assert all(n <= maxload for _, n, _ in calls)

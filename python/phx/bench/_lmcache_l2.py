@@ -40,7 +40,9 @@ import numpy as np
 from phx.bench._common import drop_caches, fmt_table, median_spread, parse_size
 
 MiB, GiB = 1 << 20, 1 << 30
-METHODS = ("phx", "phx-crcthread", "phx-noverify", "localdisk", "localdisk-odirect",
+#: the phx rows that run checksummed, as users run the tier: stats kept, ratios given
+CHECKED = ("phx", "phx-crcthread")
+METHODS = CHECKED + ("phx-noverify", "localdisk", "localdisk-odirect",
            "rawblock-uring", "rawblock-posix")
 
 
@@ -244,7 +246,7 @@ def _one(method: str, d: str, mib: int, nbytes: int, nlat: int,
                                                 float(np.percentile(pl, 99)) * 1e3)
         row["get_p50_ms"], row["get_p99_ms"] = (float(np.percentile(gl, 50)) * 1e3,
                                                 float(np.percentile(gl, 99)) * 1e3)
-        if method in ("phx", "phx-crcthread"):
+        if method in CHECKED:
             row["phx_stats"] = {k: v for k, v in be.stats().items() if v}
     finally:
         sm.close()
@@ -388,7 +390,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(s)
     # ratios: phx against the best other method of the same device and size
     for s in out:
-        if s["method"] not in ("phx", "phx-crcthread"):
+        if s["method"] not in CHECKED:
             continue
         others = [o for o in out if (o["device"], o["chunk_mib"]) == (s["device"], s["chunk_mib"])
                   and not o["method"].startswith("phx")]

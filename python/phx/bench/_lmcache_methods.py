@@ -169,11 +169,10 @@ class GDSMethod:
         (that stream only): what one request of the live replay does from its
         own thread; GDSContext takes the calling thread's current stream."""
         import torch
-        d = self._dir.WRITE if write else self._dir.READ
+        move = self.store if write else self.load
         with torch.cuda.stream(stream):
             for slot, j in pairs:
-                obj = _memory_obj(j * self.chunk, self.chunk, self.shape)
-                self.ctx.transfer_async(obj, pool.slot(slot), d)
+                move(pool, slot, j)
         stream.synchronize()
 
     def close(self) -> None:

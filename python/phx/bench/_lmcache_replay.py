@@ -298,16 +298,22 @@ def _common_prefill(results: list[dict]) -> None:
 def each_method(methods: str, device: str, tag: str, notes: dict, run) -> list[dict]:
     """``run(name)`` for each name of the comma list ``methods``, in order: the
     results that are not None; a method that raises is recorded in
-    ``notes[f"{tag}-{device}-{name}"]`` and the others still run."""
+    ``notes[f"{tag}-{device}-{name}"]`` and the others still run.  A method
+    named again (run before and after the others, for drift) keeps every run:
+    its later results' ``method`` is ``name#2``, ``name#3``..."""
     out = []
+    seen: dict[str, int] = {}
     for name in [x for x in methods.split(",") if x]:
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name}#{seen[name]}"
         try:
             res = run(name)
         except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
-            notes[f"{tag}-{device}-{name}"] = f"{type(e).__name__}: {e}"
-            print(f"{tag} {device} {name} failed: {e}", file=sys.stderr)
+            notes[f"{tag}-{device}-{label}"] = f"{type(e).__name__}: {e}"
+            print(f"{tag} {device} {label} failed: {e}", file=sys.stderr)
             continue
         if res is not None:
+            res["method"] = label
             out.append(res)
     return out
 
