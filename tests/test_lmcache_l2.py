@@ -238,7 +238,7 @@ def test_two_slab_files(results: dict[str, Any], fs: str) -> None:
 
 
 def test_readers_setting() -> None:
-    """``phx_l2.readers``: a count, or auto (half the usable CPUs, 1 to 8);
+    """``phx_l2.readers``: a count, or auto (the usable CPUs, 1 to 8);
     anything else is refused with the key's name."""
     code = ("import os, json\n"
             "from phx_lmcache.l2.backend import _readers\n"
@@ -256,7 +256,7 @@ def test_readers_setting() -> None:
     r = support.run_py(code, [], support.child_env(SITE or ""))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert [out[str(n)] for n in (1, 2, 3, 16, 64)] == [1, 1, 1, 8, 8]
+    assert [out[str(n)] for n in (1, 2, 3, 16, 64)] == [1, 2, 3, 8, 8]
     assert out["ints"] == [3, 5]
     for bad in ("0", "-1", "'many'", "None"):
         assert "phx_l2.readers" in out[bad], out

@@ -94,15 +94,15 @@ def _obj_meta(obj: Any) -> bytes:
 
 
 def _readers(value: Any) -> int:
-    """``phx_l2.readers``: a count, or ``auto`` - half the CPUs this process may
-    run on, 1 to 8.  A read from a device that copies inside the submitting call
-    (zram, a page-cache hit) is one CPU per reader: on the H100 box's 16 CPUs one
-    reader got 3.4-4.2 GB/s from zram where LocalDiskBackend's 4 threads got
-    12.4.  Half, because LMCache's own threads and the engine's want the rest;
-    on 2 CPUs, 1 (two readers there were no faster: docs/lmcache-l2.md).  At
+    """``phx_l2.readers``: a count, or ``auto`` - the CPUs this process may run
+    on, 1 to 8.  A read from a device that copies inside the submitting call
+    (zram, a page-cache hit) is one CPU per reader: on the H100 box's 16 CPUs
+    one reader got 3.4-4.2 GB/s from zram where LocalDiskBackend's 4 threads
+    got 12.4; on the 2-core dev box two readers got 1.25-1.8x one's from zram
+    (1-32 MiB chunks) and the same from the disk (docs/lmcache-l2.md).  At
     most 8: a get of LMCache's usual batch (8 chunks) deals one chunk to each."""
     if isinstance(value, str) and value.strip().lower() == "auto":
-        return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+        return max(1, min(8, len(os.sched_getaffinity(0))))
     try:
         n = int(value)
     except (TypeError, ValueError):
