@@ -15,6 +15,7 @@
 #                                      L2_ARGS: other bench options)
 #                                      live (issue 23's measured concurrency, zram, ~5 min;
 #                                      LIVE_ARGS: other bench options)
+#                                      cufile-diag (why LMCache's cufile backend fails, ~1 min)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -113,6 +114,18 @@ step() {
 	# disk): every method side by side, zram and disk, the recovery row
 	l2) bench l2 --mode l2 ${L2_ARGS:---zram 3G --repeat 3 --l2-chunk-mib 1,4,16,32 \
 		--l2-bytes 256m --l2-latency 16 --l2-recovery 100000} ;;
+	# issue 23: why LMCache's cufile backend fails (cuFile 5027) - cuFile's own
+	# calls and LMCache's backend, three configurations, zram and disk, with
+	# cuFile's TRACE logs (~1 min; tools/cufile_diag.py)
+	cufile-diag) log cufile-diag
+		timeout $(time_left) python3 - "$OUT/cufile-diag" "$BENCHDIR" <<'PY' 2>&1 | tee -a "$LOG" | tail -40 ;;
+import subprocess, sys
+from phx.bench._zram import zram_ext4
+out, disk = sys.argv[1:]
+with zram_ext4(1 << 30) as z:
+    sys.exit(subprocess.call([sys.executable, "tools/cufile_diag.py", out,
+                              "--dir", f"zram={z.mountpoint}", "--dir", f"disk={disk}"]))
+PY
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
