@@ -260,3 +260,69 @@ def test_readers_setting() -> None:
     assert out["ints"] == [3, 5]
     for bad in ("0", "-1", "'many'", "None"):
         assert "phx_l2.readers" in out[bad], out
+
+
+def test_payload_writes_keep_what_a_failed_batch_wrote() -> None:
+    """Payloads go out in one ``pwrite_batch`` per slab file; when it fails
+    (which says only that some write failed) each payload is written again on
+    its own, so one payload that cannot be written loses only itself; a short
+    count in a batch that succeeded marks only that payload unwritten."""
+    code = r'''
+import collections, concurrent.futures, json, os
+from phx_lmcache.l2.backend import PhxL2Backend, _Put
+
+class Obj:
+    def __init__(self, i): self.byte_array = os.urandom(8192 + 512 * i)
+
+class File:
+    path, index = "/slab", 0
+    def __init__(self, batch, bad):
+        self.f, self.batch, self.bad, self.written = self, batch, bad, {}
+    def pwrite_batch(self, reqs):
+        if self.batch == "fail":
+            raise OSError(28, "No space left on device")
+        out = []
+        for buf, off in reqs:
+            n = len(buf) - (4096 if off == self.bad else 0)
+            self.written[off] = bytes(buf[:n])
+            out.append(n)
+        return out
+    def pwrite_async(self, buf, off):
+        fut = concurrent.futures.Future()
+        if off == self.bad:
+            fut.set_exception(OSError(28, "No space left on device"))
+        else:
+            self.written[off] = bytes(buf)
+            fut.set_result(len(buf))
+        return fut
+
+class Slab:
+    def __init__(self, f): self.files = [f]
+    def locate(self, slot): return self.files[0], slot << 20
+
+out = {}
+for batch in ("fail", "short"):
+    f = File(batch, bad=(2 << 20) + 4096)     # slot 2's payload
+    be = PhxL2Backend.__new__(PhxL2Backend)
+    be.header_bytes, be._slab = 4096, Slab(f)
+    be.counters, be._logged_fail = collections.defaultdict(int), set()
+    work = []
+    for i in range(4):
+        o = Obj(i)
+        p = _Put(f"k{i}", None, o, len(o.byte_array))
+        p.slot = i
+        work.append(p)
+    be._write_payloads(work)
+    out[batch] = {"paid": [p.paid for p in work],
+                  "exact": [f.written.get((p.slot << 20) + 4096) == p.obj.byte_array
+                            for p in work],
+                  "failures": be.counters["payload_failures"]}
+print(json.dumps(out))
+'''
+    r = support.run_py(code, [], support.child_env(SITE or ""))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for case in ("fail", "short"):
+        assert out[case]["paid"] == [True, True, False, True], out
+        assert out[case]["exact"] == [True, True, False, True], out
+        assert out[case]["failures"] == 1, out

@@ -511,22 +511,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 self._slab.fdatasync()
             # 3. payloads, and their crc32c on another thread meanwhile
             crcs = self._hasher.submit(lambda: [fmt.checksum(p.obj.byte_array) for p in work])
-            futs: list[Any] = []
-            for p in work:
-                f, off = self._slab.locate(p.slot)
-                try:
-                    futs.append(f.f.pwrite_async(p.obj.byte_array, off + self.header_bytes))
-                except OSError as e:
-                    futs.append(e)
-            for p, fu, in zip(work, futs):
-                try:
-                    if isinstance(fu, BaseException):
-                        raise fu
-                    p.paid = fu.result() == p.nbytes
-                    if not p.paid:
-                        raise OSError(0, f"short write {fu.result()} of {p.nbytes}")
-                except OSError as e:
-                    self._fail("payload", self._slab.locate(p.slot)[0].path, e)
+            self._write_payloads(work)
             for p, c in zip(work, crcs.result()):
                 p.crc = c
             if self.fsync:
@@ -565,6 +550,42 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                                 log.warning("phx L2: on_complete_callback failed for %s: %s",
                                             p.ks, e)
                 b[3].set_result(None)
+
+    def _write_payloads(self, work: list[_Put]) -> None:
+        """Every payload of the batch, one waiting submission per slab file
+        (``pwrite_batch``: on a device that copies inside the submitting call,
+        zram, the engine spreads such a batch over io-wq workers instead of
+        copying it all in this thread); ``p.paid`` for each.  A failed
+        submission says that some write failed, not which: its payloads are
+        then written again one at a time (headers are not written yet, so
+        rewriting a payload changes nothing on disk)."""
+        hb = self.header_bytes
+        byfile: dict[int, list[tuple[_Put, int]]] = collections.defaultdict(list)
+        for p in work:
+            f, off = self._slab.locate(p.slot)
+            byfile[f.index].append((p, off + hb))
+        for fi, lst in byfile.items():
+            f = self._slab.files[fi]
+            done: list[Any]
+            try:
+                done = f.f.pwrite_batch([(p.obj.byte_array, off) for p, off in lst])
+            except OSError:
+                done = []
+                for p, off in lst:
+                    try:
+                        done.append(f.f.pwrite_async(p.obj.byte_array, off))
+                    except OSError as e:
+                        done.append(e)
+            for (p, _), n in zip(lst, done):
+                try:
+                    if isinstance(n, BaseException):
+                        raise n
+                    n = n if isinstance(n, int) else n.result()
+                    p.paid = n == p.nbytes
+                    if not p.paid:
+                        raise OSError(0, f"short write {n} of {p.nbytes}")
+                except OSError as e:
+                    self._fail("payload", f.path, e)
 
     def _write_headers(self, ok: list[_Put]) -> None:
         if not ok:
