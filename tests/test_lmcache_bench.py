@@ -126,3 +126,44 @@ def test_chunk_rows_zram_holds_every_method_side_by_side():
     from phx.bench.lmcache import _chunk_room
     a = argparse.Namespace(tokens=256, chunks=32, methods="phx,cufile,host-odirect,host-buffered")
     assert _chunk_room(a) >= 4 * 32 * (32 << 20)
+
+
+def test_kvikio_methods_size_kvikios_thread_pool():
+    """``kvikio`` / ``kvikio16`` / ``kvikio64``: the same KvikIO compat backend
+    under LMCache's GDSContext, with KvikIO's process-wide pool at 1 / 16 / 64
+    threads and compat mode on (a stand-in ``kvikio`` module records the
+    settings: the real one needs CUDA)."""
+    import os
+
+    import pytest
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "adapters", "lmcache",
+                                    "tests"))
+    import support
+    site = support.lmcache_site()
+    if site is None:
+        pytest.skip("lmcache not installed: " + support.INSTALL_HINT)
+    code = r'''
+import enum, json, sys, types
+got = []
+kv = types.ModuleType("kvikio")
+class CompatMode(enum.Enum):
+    ON = 1
+kv.CompatMode = CompatMode
+kd = types.ModuleType("kvikio.defaults")
+kd.set = lambda d: got.append(d)
+kv.defaults = kd
+sys.modules["kvikio"], sys.modules["kvikio.defaults"] = kv, kd
+from phx.bench._lmcache_methods import KVIKIO_METHODS, _KvikioBackend
+out = {}
+for name, n in KVIKIO_METHODS.items():
+    be = _KvikioBackend(n)
+    out[name] = [be.name, got[-1]["num_threads"], got[-1]["compat_mode"] is CompatMode.ON]
+print(json.dumps(out))
+'''
+    r = support.run_py(code, [], support.child_env(site))
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"kvikio": ["kvikio-compat-t1", 1, True],
+                   "kvikio16": ["kvikio-compat-t16", 16, True],
+                   "kvikio64": ["kvikio-compat-t64", 64, True]}

@@ -11,7 +11,11 @@ agentic replay.
                  with a small backend of ours on KvikIO's compat-mode
                  ``CuFile.pread/pwrite``: the stream is synchronised, then the
                  transfer runs on the host (KvikIO has no stream-ordered compat
-                 path).  Reported under its own name.
+                 path).  Reported under its own name.  KvikIO's thread pool
+                 (``num_threads``, process-wide) is 1 for ``kvikio`` (its
+                 default), 16 for ``kvikio16``, 64 for ``kvikio64``: a chunk is
+                 split into ``task_size`` (4 MiB) tasks over the pool, and
+                 concurrent sessions share it.
 * ``host``       LMCache's host-staged disk tier: ``LocalDiskBackend``'s own
                  ``write_file``/``read_file`` (one file per chunk,
                  ``use_odirect`` off or on), on its default 4 disk threads,
@@ -76,10 +80,14 @@ class GPUPool:
 # GDS L1 (phx, cufile, kvikio)
 # ---------------------------------------------------------------------------
 
+#: method name -> KvikIO thread-pool size
+KVIKIO_METHODS = {"kvikio": 1, "kvikio16": 16, "kvikio64": 64}
+
+
 class _KvikioBackend:
     """A GDSBackend over KvikIO compat mode (see the module docstring)."""
 
-    def __new__(cls):
+    def __new__(cls, threads: int = 1):
         from lmcache.v1.gpu_connector.gds_backends.base import GDSBackend, GDSHandle, Submission
 
         class Handle(GDSHandle):
@@ -110,7 +118,7 @@ class _KvikioBackend:
                 self._f.close()
 
         class Backend(GDSBackend):
-            name = "kvikio-compat"
+            name = f"kvikio-compat-t{threads}"
 
             def open_slab(self, location, size, direct_io):
                 os.makedirs(location, exist_ok=True)
@@ -128,6 +136,8 @@ class _KvikioBackend:
             def deregister_stream(self, raw_stream): return None
 
         os.environ.setdefault("KVIKIO_COMPAT_MODE", "ON")
+        from phx.bench.gpu import _kvikio_threads
+        _kvikio_threads(threads)      # compat mode on, the pool resized
         return Backend()
 
 
@@ -142,7 +152,7 @@ class GDSMethod:
         self.name = backend
         self.shape = shape
         self._dir = SlabDirection
-        be = _KvikioBackend() if backend == "kvikio" else None
+        be = _KvikioBackend(KVIKIO_METHODS[backend]) if backend in KVIKIO_METHODS else None
         self.ctx = GDSContext(be)
         cfg = GdsL1Config(file_location=directory, size_in_bytes=slab_bytes,
                           use_direct_io=True, backend="auto" if be else backend)
@@ -296,8 +306,9 @@ class HostStaged:
 
 
 def open_method(name: str, directory: str, slab_bytes: int, shape, pools):
-    """(method, why-not): name in phx, cufile, kvikio, host-buffered, host-odirect."""
-    if name in ("phx", "cufile", "kvikio"):
+    """(method, why-not): name in phx, cufile, ``KVIKIO_METHODS``, host-buffered,
+    host-odirect."""
+    if name in ("phx", "cufile") or name in KVIKIO_METHODS:
         return open_gds(name, os.path.join(directory, name), slab_bytes, shape, pools)
     try:
         return HostStaged(os.path.join(directory, name), shape, pools,

@@ -43,7 +43,8 @@ from typing import Any
 
 TOKENS_PER_CHUNK = 256
 #: what _lmcache_methods.open_method opens
-REPLAY_METHODS = ("phx", "cufile", "kvikio", "host-odirect", "host-buffered")
+REPLAY_METHODS = ("phx", "cufile", "kvikio", "kvikio16", "kvikio64", "host-odirect",
+                  "host-buffered")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ distinct random chunks stored from GPU memory and loaded back, through
 * ``cufile``         the same GDSContext with LMCache's ``cufile`` backend; where
                      it cannot start, ``kvikio`` (KvikIO compat mode through the
                      same GDSContext) instead, and the reason is recorded,
+* ``kvikio16`` / ``kvikio64`` (named only) KvikIO compat with 16 / 64 threads,
 * ``host-buffered``  LMCache's LocalDiskBackend file I/O, ``use_odirect`` off,
 * ``host-odirect``   the same with ``use_odirect`` on,
 
@@ -46,6 +47,8 @@ from phx.bench._common import (BenchError, add_common_arguments, bench_dir, chec
 
 MiB, GiB = 1 << 20, 1 << 30
 METHODS = ("phx", "cufile", "host-buffered", "host-odirect")
+#: chunk-mode methods that run only when named (KvikIO with 16 and 64 threads)
+EXTRA_METHODS = ("kvikio16", "kvikio64")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,8 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zram", metavar="SIZE", type=checked(positive_size), default=None,
                    help="also run on a zram ext4 of SIZE (root)")
     p.add_argument("--no-disk", action="store_true", help="zram rows only")
-    p.add_argument("--methods", type=checked(csv(str, allowed=METHODS)), default=",".join(METHODS),
-                   help="subset of " + ",".join(METHODS))
+    p.add_argument("--methods", type=checked(csv(str, allowed=METHODS + EXTRA_METHODS)),
+                   default=",".join(METHODS),
+                   help="subset of " + ",".join(METHODS + EXTRA_METHODS) + " (default "
+                   + ",".join(METHODS) + ")")
     p.add_argument("--chunks", type=positive_int, default=128,
                    help="chunks per store/load row (default 128 = 4 GiB)")
     p.add_argument("--latency-chunks", type=positive_int, default=32,
