@@ -275,7 +275,19 @@ class PhxDisk:
         return q
 
     def submit_copy(self, *args: Any) -> None:
-        self._queue().put_nowait(args)
+        # A store of GPU memory waits, on the GPU, for the work queued before
+        # this call only: an event recorded now, in FlexLLMGen's thread, on its
+        # current stream.  Waiting for the producer's stream when a copy thread
+        # gets to the store also waited for what FlexLLMGen queued meanwhile -
+        # the next layer's compute - so no store overlapped compute (issue 26,
+        # part 3; stock FlexLLMGen copies on a stream of its own).
+        dst, _, src, _ = args
+        data = getattr(src, "data", None)
+        ev = None
+        if dst.device is self and isinstance(data, torch.Tensor) and data.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(data.device))
+        self._queue().put_nowait((args, ev))
 
     def synchronize(self) -> None:
         self._queue().join()
@@ -307,16 +319,29 @@ class PhxDisk:
         self._planned = True
 
     def _copy_worker(self) -> None:
+        stream = None
         if torch.cuda.is_available():
             torch.cuda.set_device(self.cuda_id)
+            # this thread's stream for what a store queues (a contiguous copy, a
+            # row merge) after the submitter's event; the relay's D2H is ordered
+            # after it, and the store waits for that D2H before it returns, so
+            # nothing of it is left on this stream when the copy is done
+            stream = torch.cuda.Stream()
         q = self._queue()
         while True:
             item = q.get()
             if item is None:
                 q.task_done()
                 return
+            args, ev = item
             try:
-                self._copy(*item)
+                if ev is not None and stream is not None:
+                    stream.wait_event(ev)
+                    args[2].data.record_stream(stream)   # the allocator: in use here too
+                    with torch.cuda.stream(stream):
+                        self._copy(*args)
+                else:
+                    self._copy(*args)
             except BaseException as e:       # FlexLLMGen's threads would die silently
                 self._errors.append(e)
             finally:
