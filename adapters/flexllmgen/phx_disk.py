@@ -285,7 +285,7 @@ class PhxDisk:
         data = getattr(src, "data", None)
         ev = None
         if dst.device is self and isinstance(data, torch.Tensor) and data.is_cuda:
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             ev.record(torch.cuda.current_stream(data.device))
         self._queue().put_nowait((args, ev))
 
@@ -326,7 +326,7 @@ class PhxDisk:
             # row merge) after the submitter's event; the relay's D2H is ordered
             # after it, and the store waits for that D2H before it returns, so
             # nothing of it is left on this stream when the copy is done
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch: unannotated
         q = self._queue()
         while True:
             item = q.get()
