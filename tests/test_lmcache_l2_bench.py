@@ -43,3 +43,17 @@ def test_bench_l2_small(tmp_path) -> None:
     rec = d["recovery"]["disk"]
     assert rec["recovered"] == rec["slots"] == 300
     assert "phx/best put/get" in r.stdout
+
+
+def test_every_repeat_rotates_the_method_order() -> None:
+    """No method always runs first (a fresh zram device) or after the same
+    neighbour: repeat r starts at method r, every method runs once per repeat,
+    and over as many repeats as methods each method holds every position."""
+    from phx.bench._lmcache_l2 import run_order
+    ms = ["phx", "localdisk-odirect", "rawblock-uring"]
+    orders = [run_order(ms, r) for r in range(4)]
+    assert orders[0] == ms
+    assert [o[0] for o in orders] == ["phx", "localdisk-odirect", "rawblock-uring", "phx"]
+    assert all(sorted(o) == sorted(ms) for o in orders)
+    assert all({o[i] for o in orders[:3]} == set(ms) for i in range(3))
+    assert run_order([], 3) == []

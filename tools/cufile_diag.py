@@ -120,7 +120,8 @@ def raw_trial(lib: Any, path: str, direct: bool) -> dict[str, Any]:
     try:
         descr = CUfileDescr(type=1, handle=_Handle(fd=fd))
         h = ctypes.c_void_p()
-        res["handle_register"] = _err(lib.cuFileHandleRegister(ctypes.byref(h), ctypes.byref(descr)))
+        res["handle_register"] = _err(lib.cuFileHandleRegister(ctypes.byref(h),
+                                                               ctypes.byref(descr)))
         if res["handle_register"]["err"]:
             return res
         try:

@@ -2,7 +2,8 @@
 
 Methods, each built by LMCache 0.5.6's own ``StorageManager`` from its
 configuration, on the same filesystem (the disk under ``--dir``, and a zram
-ext4 with ``--zram``), one after another inside every repeat:
+ext4 with ``--zram``), one after another inside every repeat, in an order
+rotated by one each repeat (:func:`run_order`):
 
 * ``phx`` — ``phx_lmcache.l2.PhxL2Backend`` (storage plugin; checksums verified)
 * ``phx-crcthread`` — the same with ``phx_l2.crc_thread: true`` (a get's crc32c on a
@@ -336,6 +337,16 @@ def recovery_row(d: str, nslots: int) -> dict[str, Any]:
             "scan_s": st["recovery_s"], "restart_s": total, "fill_s": fill_s}
 
 
+def run_order(methods: list[str], rep: int) -> list[str]:
+    """The methods in the order repeat ``rep`` runs them: rotated by one each
+    repeat, so that no method always runs first (on a fresh zram device, a cold
+    cache) or right after the same neighbour.  Within one run the position
+    moved a put row by up to 25 % (docs/lmcache-l2.md, "Batched payload
+    writes"); the medians over repeats then carry every position."""
+    k = rep % len(methods) if methods else 0
+    return methods[k:] + methods[:k]
+
+
 def run_l2(args: Any, places: list[tuple[str, str]], notes: dict[str, str]) -> dict[str, Any]:
     methods = args.l2_methods.split(",")
     miss = _rawblock_missing()
@@ -350,7 +361,7 @@ def run_l2(args: Any, places: list[tuple[str, str]], notes: dict[str, str]) -> d
     for device, d in places:
         for rep in range(args.repeat):
             for mib in sizes:
-                for m in methods:
+                for m in run_order(methods, rep):
                     try:
                         r = _one(m, d, mib, parse_size(args.l2_bytes), args.l2_latency, rng)
                     except Exception as e:
