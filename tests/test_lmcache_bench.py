@@ -167,3 +167,24 @@ print(json.dumps(out))
     assert out == {"kvikio": ["kvikio-compat-t1", 1, True],
                    "kvikio16": ["kvikio-compat-t16", 16, True],
                    "kvikio64": ["kvikio-compat-t64", 64, True]}
+
+
+def test_kvikio_stands_in_for_cufile_only(monkeypatch):
+    """Where LMCache's cufile backend cannot start, KvikIO compat stands in and
+    the reason is recorded under ``{tag}-cufile``; any other method that
+    cannot start is skipped with its reason; nothing stands in for it."""
+    from phx.bench import _lmcache_methods as lm
+    from phx.bench._lmcache_replay import open_replay_method
+    up = {"phx", "kvikio"}
+    monkeypatch.setattr(lm, "open_method", lambda name, *a: (
+        (f"<{name}>", "") if name in up else (None, f"{name} refused")))
+    notes: dict = {}
+    assert open_replay_method("phx", "d", 1, None, [], notes, "live") == "<phx>"
+    assert open_replay_method("cufile", "d", 1, None, [], notes, "live") == "<kvikio>"
+    assert notes == {"live-cufile": "LMCache's cufile backend did not start (cufile refused): "
+                                    "KvikIO compat"}
+    assert open_replay_method("host-odirect", "d", 1, None, [], notes, "live") is None
+    assert notes["live-host-odirect"] == "host-odirect refused"
+    up.discard("kvikio")
+    assert open_replay_method("cufile", "d", 1, None, [], notes, "live") is None
+    assert notes["live-cufile"].endswith("; KvikIO compat did not start either: kvikio refused")

@@ -317,6 +317,20 @@ def open_method(name: str, directory: str, slab_bytes: int, shape, pools):
         return None, f"{type(e).__name__}: {e}"
 
 
+def open_with_standin(name: str, directory: str, slab_bytes: int, shape, pools):
+    """``open_method``, with KvikIO compat standing in where LMCache's cufile
+    backend cannot start: (method or None, why it is None, what stood in for
+    cufile and why - None when nothing did)."""
+    m, why = open_method(name, directory, slab_bytes, shape, pools)
+    if m is not None or name != "cufile":
+        return m, why, None
+    sub = f"LMCache's cufile backend did not start ({why}): KvikIO compat"
+    m, why = open_method("kvikio", directory, slab_bytes, shape, pools)
+    if m is None:
+        sub += f"; KvikIO compat did not start either: {why}"
+    return m, why, sub
+
+
 def libphxfile_stats() -> dict:
     try:
         import phx_lmcache

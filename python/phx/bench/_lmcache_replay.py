@@ -173,15 +173,11 @@ def open_replay_method(name: str, directory: str, slab_bytes: int, shape, pools,
     """The method (``_lmcache_methods.open_method``), or None with the reason in
     ``notes[f"{tag}-{name}"]``; ``cufile`` falls back to KvikIO compat where
     LMCache's cufile backend cannot start, and says so."""
-    from phx.bench._lmcache_methods import open_method
-    m, why = open_method(name, directory, slab_bytes, shape, pools)
-    if m is None and name == "cufile":
-        notes[f"{tag}-cufile"] = f"LMCache's cufile backend did not start ({why}): KvikIO compat"
-        m, why = open_method("kvikio", directory, slab_bytes, shape, pools)
-        if m is None:
-            notes[f"{tag}-cufile"] += f"; KvikIO compat did not start either: {why}"
-        return m
-    if m is None:
+    from phx.bench._lmcache_methods import open_with_standin
+    m, why, sub = open_with_standin(name, directory, slab_bytes, shape, pools)
+    if sub:
+        notes[f"{tag}-cufile"] = sub
+    elif m is None:
         notes[f"{tag}-{name}"] = why
     return m
 

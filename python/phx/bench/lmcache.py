@@ -107,13 +107,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _open(name: str, directory: str, slab: int, shape, pools, notes: dict):
-    from phx.bench._lmcache_methods import open_method
-    m, why = open_method(name, directory, slab, shape, pools)
-    if m is None and name == "cufile":
-        notes["cufile"] = f"LMCache's cufile backend did not start: {why}; KvikIO compat instead"
-        print(f"lmcache bench: {notes['cufile']}", file=sys.stderr)
-        m, why = open_method("kvikio", directory, slab, shape, pools)
-    if m is None:
+    from phx.bench._lmcache_methods import open_with_standin
+    m, why, sub = open_with_standin(name, directory, slab, shape, pools)
+    if sub:
+        notes["cufile"] = sub
+        print(f"lmcache bench: {sub}", file=sys.stderr)
+    elif m is None:
         notes[name] = why
         print(f"lmcache bench: {name} skipped: {why}", file=sys.stderr)
     return m
