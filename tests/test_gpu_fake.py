@@ -122,7 +122,7 @@ def run_script(script: str, fake_build, tmp_path) -> str:
 
 
 PY_CHECK = textwrap.dedent(r"""
-    import ctypes, os, sys
+    import ctypes, os, sys, time
     import numpy as np
     import phx
     from phx._lib import cuda
@@ -160,9 +160,16 @@ PY_CHECK = textwrap.dedent(r"""
         s = ctypes.c_void_p()
         assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
         args = np.array([10, 0, 0, -1], dtype=np.int64)
-        lib.fake_sleep_async(s, ctypes.c_ulong(100000))
-        ctx.stream_deferred(f._c_file, buf, args.ctypes.data, False, s.value)
-        args[:3] = [123457, 4099, 17]
+        # the stream held on a host word, not a timed sleep: a stalled CI host
+        # must not let it reach the op before the arguments are written
+        gate = ctypes.c_uint32(0)
+        assert lib.cuStreamWaitValue32_v2(s, ctypes.c_uint64(ctypes.addressof(gate)),
+                                          ctypes.c_uint32(1), 0) == 0
+        try:
+            ctx.stream_deferred(f._c_file, buf, args.ctypes.data, False, s.value)
+            args[:3] = [123457, 4099, 17]
+        finally:
+            gate.value = 1
         lib.cuStreamSynchronize(s)
         assert args[3] == 123457, args
         v = view(buf, 17 + 123457)
@@ -175,9 +182,21 @@ PY_CHECK = textwrap.dedent(r"""
                             early_reads=True)
         assert ectx.config["early_reads"] is True
         eargs = [np.array([5000 + i, 77 * i, 6000 * i, -1], dtype=np.int64) for i in range(8)]
-        lib.fake_sleep_async(s, ctypes.c_ulong(100000))
-        for a in eargs:
-            ectx.stream_deferred(f._c_file, buf, a.ctypes.data, False, s.value)
+        gate = ctypes.c_uint32(0)
+        assert lib.cuStreamWaitValue32_v2(s, ctypes.c_uint64(ctypes.addressof(gate)),
+                                          ctypes.c_uint32(1), 0) == 0
+        fills0 = ectx.stats()["staging_fills"]
+        try:
+            for a in eargs:
+                ectx.stream_deferred(f._c_file, buf, a.ctypes.data, False, s.value)
+            # with the stream held, wait for the lanes to take reads early
+            # (counted as early_reads when the stream gets there)
+            t_end = time.monotonic() + 10
+            while (ectx.stats()["staging_fills"] - fills0 < 4
+                   and time.monotonic() < t_end):
+                time.sleep(0.001)
+        finally:
+            gate.value = 1
         lib.cuStreamSynchronize(s)
         v = view(buf, 6000 * 8)
         for i, a in enumerate(eargs):

@@ -207,19 +207,27 @@ PY_MANY = textwrap.dedent(r"""
         for t in th: t.join()
         assert not errors, errors
 
-        # --- stream-ordered: behind a busy stream, arrays copied at the call
+        # --- stream-ordered: behind a held stream, arrays copied at the call.
+        # The stream waits on a host word (not a timed sleep: a CI host that
+        # stalls the process for 100 ms must not make the check fail).
         s = ctypes.c_void_p()
         assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
         fo, bo, lens, need = plan(600, 16 << 10, fsize)
         buf = Dev(need)
         buf.host()[:] = 0
-        lib.fake_sleep_async(s, ctypes.c_ulong(100000))
+        gate = ctypes.c_uint32(0)
+        assert lib.cuStreamWaitValue32_v2(s, ctypes.c_uint64(ctypes.addressof(gate)),
+                                          ctypes.c_uint32(1), 0) == 0
         fo_ref = fo.copy()
-        op = phx.gpu.read_many_async(buf, f, fo, lens, bo, stream=s.value)
-        pending = int((op.results == -errno.EINPROGRESS).sum())
-        fo[:] = 0                                   # no effect: copied at the call
+        try:
+            op = phx.gpu.read_many_async(buf, f, fo, lens, bo, stream=s.value)
+            pending = int((op.results == -errno.EINPROGRESS).sum())
+            fo[:] = 0                               # no effect: copied at the call
+            early = int((buf.host() != 0).sum())    # bytes before the stream got there
+        finally:
+            gate.value = 1                          # never leave the stream held
         res = op.result(timeout=60)
-        assert pending > len(fo) // 2, pending
+        assert pending == len(fo) and early == 0, (pending, early)
         assert (res == lens).all()
         h = buf.host()
         for i in range(len(fo_ref)):
