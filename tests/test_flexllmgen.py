@@ -189,12 +189,19 @@ def test_phxdisk_kv_digest_and_negative_control(kvdir):
     import hashlib
     from phx_disk import PhxDisk
     digests = {}
-    for mode in ("dual", "dual-mem", "direct", "cachepolicy", "dual-mem+corrupt"):
-        m, _, corrupt = mode.partition("+")
+    for mode in ("dual", "dual-mem", "direct", "cachepolicy", "dual-mem+corrupt",
+                 "dual-mem+readahead", "direct+readahead"):
+        m, _, extra = mode.partition("+")
+        corrupt = extra == "corrupt"
         d = PhxDisk(os.path.join(kvdir, mode), mode=m, budget=2 * 2 * 24576,
-                    num_copy_threads=2, corrupt_read=bool(corrupt))
+                    num_copy_threads=2, corrupt_read=corrupt,
+                    readahead=3 if extra == "readahead" else 0)
         caches, model, loads = _prefill_and_decode(d, pb, seed=11)
         assert all(loads) is (not corrupt), mode
+        if extra == "readahead":
+            # Group 2 loads came from the read-ahead, and every load was exact
+            ra = d.stats()["readahead"]
+            assert ra["served"] > 0 and ra["failed"] == 0, ra
         for k, v in caches:
             k.delete()
             v.delete()
@@ -205,7 +212,8 @@ def test_phxdisk_kv_digest_and_negative_control(kvdir):
         if not corrupt:
             assert digests[mode] == ref.hexdigest(), mode
         d.close()
-    assert len({digests[m] for m in ("dual", "dual-mem", "direct", "cachepolicy")}) == 1
+    assert len({digests[m] for m in ("dual", "dual-mem", "direct", "cachepolicy",
+                                     "dual-mem+readahead", "direct+readahead")}) == 1
     assert digests["dual-mem+corrupt"] != digests["dual"]
 
 

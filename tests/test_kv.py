@@ -705,9 +705,9 @@ def test_bench_kv_cli_in_cgroups(tmp_path, model):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(js.read_text())
-    assert len(doc["rows"]) == 12
+    assert len(doc["rows"]) == 14
     assert {r["config"] for r in doc["rows"]} == {"baseline", "stock-mixed", "cachepolicy",
-                                                 "direct", "dual", "dual-mem"}
+                                                 "direct", "dual", "dual-mem", "dual-mem-ra"}
     assert doc["digests"]["identical"] and doc["negative_control"]["detected"]
     assert doc["calibration"]["ideal_dev_source"] == ("fio" if model == "opt-6.7b" and
                                                        shutil.which("fio") else "phx calibration")

@@ -163,3 +163,19 @@ def test_bench_rotates_caps_and_configurations_and_runs_the_control(tmp_path, mo
     assert doc["negative_control"]["detected"] is False
     assert doc["calibration"]["ideal_dev_source"] == "fio"
     assert abs(doc["rows"][0]["ideal_decode_s"] - ideal) < 1e-9
+
+
+def test_dual_mem_ra_reads_group2_ahead_and_verifies(tmp_path):
+    """dual-mem-ra with every layer in Group 2 (a reserve larger than any
+    machine): the decode's reads come from the read-ahead, every byte verifies
+    and the digests are direct's."""
+    conf = {**TINY, "reserve": 1 << 50}
+    ra = worker.run_worker({**conf, "config": "dual-mem-ra", "dir": str(tmp_path / "ra")})
+    ref = worker.run_worker({**conf, "config": "direct", "dir": str(tmp_path / "d")})
+    assert ra["verified"] is True, ra["verify"]
+    assert ra["plan"]["layers_pagecache"] == []
+    r = ra["plan"]["readahead"]
+    # the first layer of each step is never read ahead; the rest are
+    steps = TINY["gen"] - 1
+    assert r["served"] >= steps * 2 * (TINY["layers"] - 1) and r["failed"] == 0, r
+    assert (ra["prefill_digest"], ra["kv_digest"]) == (ref["prefill_digest"], ref["kv_digest"])

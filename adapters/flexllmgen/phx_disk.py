@@ -152,6 +152,9 @@ class PhxDisk:
         strategy: force Overlap-Intra or -Cross (default: adaptive, dual only).
         write_behind: passed to the store (start the writeback of large page-cache
             writes at once; ``None``: the store's default, on for ``dual``).
+        readahead: KV tensors of the next layers whose Group 2 rows are read
+            ahead while a layer loads (host buffers of one tensor each, counted
+            in the store's budget; :mod:`phx.kv.readahead`).  0: none.
     """
 
     store: KVStore          # set_path()'s
@@ -161,7 +164,7 @@ class PhxDisk:
                  mode: str = "dual", relay_bytes: int | None = None,
                  budget: int | None = None, reserve: int | None = None,
                  strategy: str | None = None, write_behind: bool | None = None,
-                 corrupt_read: bool = False):
+                 corrupt_read: bool = False, readahead: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.name = path
@@ -176,6 +179,7 @@ class PhxDisk:
         self._strategy = strategy
         self._write_behind = write_behind
         self.corrupt_read = corrupt_read
+        self.readahead = int(readahead)
         self.relays: RelayPool | None = None
         if relay_bytes and torch.cuda.is_available():
             # made once, outside any later memory cap (FlexLLMGen's relays are too),
@@ -207,6 +211,7 @@ class PhxDisk:
                              copy_threads=self.num_copy_threads, relays=self.relays,
                              write_behind=self._write_behind,
                              group1="memory" if self.mode == "dual-mem" else "pagecache",
+                             readahead=self.readahead,
                              device=self.cuda_id if self.relays is None and
                              torch.cuda.is_available() else None)
         self._planned = False
@@ -374,6 +379,8 @@ class PhxDisk:
         ov = self.overlap
         # the first KV tensor's read starts a decode step
         ov.begin_read(kv.id == min(t.id for t in self.store.tensors()))
+        if self.readahead and kv.id in self._cache_ids:
+            self._read_ahead(kv, a, b)
         try:
             if not whole or not out.is_contiguous():
                 tmp = torch.empty((b - a,) + tuple(src.shape[1:]), dtype=src.dtype,
@@ -384,6 +391,17 @@ class PhxDisk:
                 self._read_rows(kv, a, b, out, ov)
         finally:
             ov.end_read((b - a) * kv.row_bytes)
+
+    def _read_ahead(self, kv: Any, a: int, b: int) -> None:
+        """Start reading the same rows of the next KV tensors (the next layers'
+        K and V, in the order FlexLLMGen loads them); the store reads only Group
+        2 tensors ahead, as many as it has buffers for."""
+        ts = {t.id: t for t in self.store.tensors()}
+        nxt = sorted(i for i in self._cache_ids if i > kv.id and i in ts)
+        for i in nxt[:2 * self.readahead]:
+            t = ts[i]
+            if b <= t.rows:
+                self.store.prefetch(t, a, b)
 
     def _read_rows(self, kv: Any, a: int, b: int, out: torch.Tensor, ov: _Overlap) -> None:
         self._read_rows_plain(kv, a, b, out, ov)
@@ -454,6 +472,7 @@ class PhxDisk:
                 "kv_digest": self.kv_digest(),
                 "rebalances": self.rebalances,
                 "moves": [list(m) for m in self.store.moves],
+                "readahead": self.store.readahead_report(),
                 "relays": pool.stats() if pool else None}
 
     def mem_stats(self) -> None:

@@ -10,6 +10,8 @@
                  (Policy(cache_cpu_percent = the cap's KV share), its TorchMixedDevice)
     dual-mem     Dual-Blade v2: Group 1 in memory that is never written back,
                  re-planned at every decode step (issue 26)
+    dual-mem-ra  dual-mem with the next layers' Group 2 K/V read ahead
+                 (READAHEAD tensors at once, buffers within the cap; issue 26 part 4)
 
 Issue 26's harness: every worker warms up with a decode (3 new tokens) before its
 caps; caps rotate per repeat (5 by default); the ideal caches the cap's KV share and
@@ -58,7 +60,9 @@ from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = ("stock", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem")
+CONFIGS = ("stock", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem", "dual-mem-ra")
+#: dual-mem-ra's read-ahead: K/V tensors at once (phx bench kv's default too)
+READAHEAD = 8
 # not one of the paper's four: Dual-Blade without phx's write-behind (the paper's own
 # design), run beside dual (--configs stock,cachepolicy,direct,dual,dual-nowb) so the
 # two are compared in one run
@@ -66,6 +70,7 @@ EXTRA_CONFIGS = ("dual-nowb",)
 LABELS = {"stock": "FlexLLMGen TorchDisk (baseline)",
           "stock-mixed": "FlexLLMGen CPU+disk split at the cap",
           "dual-mem": "Dual-Blade v2 (Group 1 in memory)",
+          "dual-mem-ra": "Dual-Blade v2, Group 2 read ahead",
           "cachepolicy": "CachePolicy-only",
           "direct": "NVMe-direct-only (phx)", "dual": "Dual-Blade (phx.kv)",
           "dual-nowb": "Dual-Blade, no write-behind"}
@@ -303,11 +308,13 @@ def worker(conf: dict[str, Any], out: str | None = None) -> dict[str, Any]:
         nowb = cfg == "dual-nowb"
         # dual-mem measures what the cap holds besides the KV (no allowance as
         # reserve) and re-plans every step; the others keep the v1 harness's reserve
-        disk = PhxDisk(os.path.join(root, "warm"), mode="dual" if nowb else cfg, relay_bytes=tb,
-                       reserve=None if cfg == "dual-mem" else allowance,
+        mode = "dual" if nowb else "dual-mem" if cfg == "dual-mem-ra" else cfg
+        disk = PhxDisk(os.path.join(root, "warm"), mode=mode, relay_bytes=tb,
+                       reserve=None if mode == "dual-mem" else allowance,
                        strategy=conf.get("strategy"),
                        write_behind=False if nowb else None,
-                       corrupt_read=bool(conf.get("corrupt_read")))
+                       corrupt_read=bool(conf.get("corrupt_read")),
+                       readahead=READAHEAD if cfg == "dual-mem-ra" else 0)
         pinned = disk.relays.pinned_bytes if disk.relays else 0
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=DigestMixed([gpu, cpu, disk]))
     opt_config = fo.get_opt_config(conf["model"])
@@ -526,7 +533,7 @@ def plot(rows: list[dict[str, Any]], path: str, conf: dict[str, Any]) -> None:
     styles = {"stock": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
               "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
               "dual-nowb": ("tab:olive", "v"), "stock-mixed": ("tab:purple", "x"),
-              "dual-mem": ("tab:cyan", "P")}
+              "dual-mem": ("tab:cyan", "P"), "dual-mem-ra": ("tab:pink", "*")}
     for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s") is not None]
         if not rs:

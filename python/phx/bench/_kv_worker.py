@@ -22,6 +22,10 @@ Configurations:
 - ``dual-mem``: the same with Group 1 in memory that is never written back
   (``KVStore(group1="memory")``), re-planned after the warm-up and rebalanced
   between decode steps (issue 26, parts 1 and 2);
+- ``dual-mem-ra``: ``dual-mem`` with read-ahead (issue 26, part 4): before each
+  layer is read, the store is asked to start reading the next layers' Group 2 K
+  and V (``KVStore.prefetch``, :mod:`phx.kv.readahead`), up to
+  :data:`READAHEAD_TENSORS` at once, in buffers its budget counts;
 - ``stock-mixed``: FlexLLMGen's own CPU + disk split sized to the budget
   (``Policy(cache_cpu_percent=...)``, its ``TorchMixedDevice``): the first
   columns of axis 1 of every tensor (whole heads of whole batch elements, as
@@ -65,6 +69,12 @@ from phx.kv.slab import round_up
 #: numpy has no bfloat16: its bytes are stored as 2-byte integers (the replay only
 #: moves bytes; every tensor still gets its own random ones)
 STORAGE_DTYPES = {"bfloat16": "<u2"}
+
+
+#: dual-mem-ra: tensors read ahead at once (buffers of one tensor each), and how
+#: many layers past the current one it looks for Group 2 tensors to start
+READAHEAD_TENSORS = 8
+AHEAD_LAYERS = 8
 
 
 class Shape:
@@ -240,11 +250,12 @@ class StoreIO:
     """phx.kv's store (direct-only or dual-path)."""
 
     def __init__(self, shape: Shape, d: str, mode: str, pinned: int, reserve: int | None,
-                 write_behind: bool | None = None, group1: str = "pagecache"):
+                 write_behind: bool | None = None, group1: str = "pagecache",
+                 readahead: int = 0):
         from phx.kv.store import KVStore
         self.s = shape
         self.store = KVStore(d, mode=mode, pinned_bytes=pinned, reserve=reserve,
-                             write_behind=write_behind, group1=group1)
+                             write_behind=write_behind, group1=group1, readahead=readahead)
         self.t = []
         for L in range(shape.layers):
             self.t.extend(self.store.allocate(L, shape.tshape, shape.dtype))
@@ -272,10 +283,16 @@ class StoreIO:
     def cached(self, tid: int, start: int, stop: int) -> tuple[int, int]:
         return self.store.cached_pages(self.t[tid], start, stop)
 
+    def prefetch(self, tid: int, start: int, stop: int) -> bool:
+        return self.store.prefetch(self.t[tid], start, stop)
+
     def plan(self) -> dict:
         p = self.store.last_plan or self._plan
         d = p.as_dict()
         d["moves"] = [list(m) for m in self.store.moves]
+        ra = self.store.readahead_report()
+        if ra is not None:
+            d["readahead"] = ra
         return d
 
     def rebalance(self) -> dict:
@@ -360,6 +377,11 @@ def run_worker(c: dict) -> dict:
                      write_behind=False if cfg == "dual-nowb" else None)
     elif cfg == "dual-mem":
         io = StoreIO(s, d, "dual", pinned, c.get("reserve"), group1="memory")
+    elif cfg == "dual-mem-ra":
+        # v2 with Group 2 read ahead: the next layers' K and V start reading while
+        # this one is read and copied (READAHEAD_TENSORS buffers, within the cap)
+        io = StoreIO(s, d, "dual", pinned, c.get("reserve"), group1="memory",
+                     readahead=int(c.get("readahead", READAHEAD_TENSORS)))
     else:
         raise ValueError(f"unknown configuration {cfg}")
     if c.get("corrupt_read") is not None:
@@ -372,7 +394,7 @@ def run_worker(c: dict) -> dict:
                                 relays=io.store.relays())
         relays = pipe.relays
         pool = None
-        if cfg == "dual-mem":
+        if cfg.startswith("dual-mem"):
             # the relays exist now (touched, charged): later budgets see them in the
             # cgroup's usage, so they are no longer "still to pin"
             io.store.pinned_bytes = 0
@@ -431,7 +453,7 @@ def run_worker(c: dict) -> dict:
     # dual-mem: re-plan with the footprint measured now (after the warm-up and the
     # prefill) and between steps: Group 1 grows into the room the cap has
     rebalances = []
-    can_rebalance = hasattr(io, "rebalance") and cfg == "dual-mem"
+    can_rebalance = hasattr(io, "rebalance") and cfg.startswith("dual-mem")
     if can_rebalance:
         t0 = time.perf_counter()
         rebalances.append({**io.rebalance(), "seconds": time.perf_counter() - t0,
@@ -451,7 +473,13 @@ def run_worker(c: dict) -> dict:
         if pipe is not None:
             strategies.append(pipe.begin_step())
         stop = s.prompt + i
+        ahead = getattr(io, "prefetch", None) if cfg == "dual-mem-ra" else None
         for L in range(s.layers):
+            if ahead is not None:
+                # the next Group 2 tensors, in the order they will be read (the
+                # store starts as many as it has buffers for, Group 2 only)
+                for tid in range(2 * L + 2, min(2 * s.layers, 2 * L + 2 + 2 * AHEAD_LAYERS)):
+                    ahead(tid, 0, stop)
             jobs = [read_job(2 * L, stop), read_job(2 * L + 1, stop)]
             if pipe is not None:
                 pipe.run(jobs)

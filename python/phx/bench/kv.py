@@ -8,8 +8,9 @@ pipeline) -- the page cache is dropped, a memory cgroup with that cap is created
 a worker process replays prefill + decode inside it (``phx.bench._kv_worker``).
 
 Since issue 26: ``stock-mixed`` (FlexLLMGen's own CPU + disk split sized to the
-budget) and ``dual-mem`` (Group 1 in memory, never written back, rebalanced between
-steps) beside them; every worker warms up before it is measured; caps and
+budget), ``dual-mem`` (Group 1 in memory, never written back, rebalanced between
+steps) and ``dual-mem-ra`` (``dual-mem`` with the next layers' Group 2 tensors
+read ahead into ``--readahead`` buffers counted in its budget) beside them; every worker warms up before it is measured; caps and
 configurations rotate per repeat (5 by default); the ideal's device bandwidth is
 fio's, measured once for all; stalls (steps over twice the run's median) are
 counted and left in every configuration's decode time; the digests of every KV
@@ -39,7 +40,8 @@ from phx.bench._common import (BenchError, Parser, add_common_arguments, csv,
                                deprecated_alias, nonneg_int, positive_float, positive_int)
 
 MiB = 1 << 20
-CONFIGS = ("baseline", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem")
+CONFIGS = ("baseline", "stock-mixed", "cachepolicy", "direct", "dual", "dual-mem",
+           "dual-mem-ra")
 # beside dual on request (--configs ...,dual-nowb): dual without its write-behind
 EXTRA_CONFIGS = ("dual-nowb",)
 LABELS = {"baseline": "Baseline (FlexLLMGen memmap)",
@@ -47,7 +49,8 @@ LABELS = {"baseline": "Baseline (FlexLLMGen memmap)",
           "cachepolicy": "CachePolicy-only",
           "direct": "Direct-only (phx)", "dual": "phx dual-path + P·P",
           "dual-nowb": "dual-path, no write-behind",
-          "dual-mem": "dual-path, Group 1 in memory (v2)"}
+          "dual-mem": "dual-path, Group 1 in memory (v2)",
+          "dual-mem-ra": "dual-path v2, Group 2 read ahead"}
 
 
 #: KV shapes of the models the bench knows (``--model``); single flags override them
@@ -85,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"configurations, comma-separated (default {','.join(CONFIGS)}; "
                         f"also {','.join(EXTRA_CONFIGS)})")
     p.add_argument("--threads", type=positive_int, default=2, help="copy threads")
+    p.add_argument("--readahead", type=positive_int, default=None,
+                   help="dual-mem-ra: K/V tensors read ahead at once (default "
+                        "phx.bench._kv_worker.READAHEAD_TENSORS)")
     p.add_argument("--reserve", type=nonneg_int, default=None,
                    help="budgeter reserve in bytes (default 8 MiB + 2%% of the headroom)")
     p.add_argument("--no-dma", action="store_true",
@@ -204,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
                  "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
                  "threads": args.threads, "reserve": args.reserve,
                  "dma": not args.no_dma}
+    if args.readahead is not None:
+        base_conf["readahead"] = args.readahead
     shape = Shape(base_conf)
     ws = shape.working_set
     fracs = list(args.caps)
@@ -500,7 +508,7 @@ def plot(rows, per_cap, path, shape, ws) -> None:
     styles = {"baseline": ("tab:red", "o"), "cachepolicy": ("tab:orange", "s"),
               "direct": ("tab:blue", "^"), "dual": ("tab:green", "D"),
               "dual-nowb": ("tab:olive", "v"), "stock-mixed": ("tab:purple", "x"),
-              "dual-mem": ("tab:cyan", "P")}
+              "dual-mem": ("tab:cyan", "P"), "dual-mem-ra": ("tab:pink", "*")}
     for cfg in CONFIGS + EXTRA_CONFIGS:
         rs = [r for r in rows if r["config"] == cfg and r.get("decode_s")]
         if not rs:

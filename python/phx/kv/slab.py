@@ -278,6 +278,11 @@ class SlabBackend(_FileBackendBase):
         return _CheckedFuture(self._file.pwrite_async(buf, offset), memoryview(buf).nbytes,
                               offset, self.path)
 
+    def read_async(self, buf: BufferLike, offset: int) -> _CheckedFuture:
+        """Start reading all of ``buf`` from ``offset`` (a short read fails the future)."""
+        return _CheckedFuture(self._file.pread_async(buf, offset), memoryview(buf).nbytes,
+                              offset, self.path, "read")
+
     def read_batch(self, items: Sequence[tuple[BufferLike, int]]) -> None:
         """``[(buf, offset), ...]`` in one submission."""
         got = self._file.pread_batch(list(items))
@@ -301,8 +306,9 @@ class SlabBackend(_FileBackendBase):
 class _CheckedFuture(PhxFuture):
     """A phx future whose result must be the whole request."""
 
-    def __init__(self, fut: PhxFuture, want: int, offset: int, path: str):
+    def __init__(self, fut: PhxFuture, want: int, offset: int, path: str, what: str = "write"):
         self._fut, self._want, self._off, self._path = fut, want, offset, path
+        self._what = what
 
     def done(self) -> bool:
         return self._fut.done()
@@ -310,8 +316,8 @@ class _CheckedFuture(PhxFuture):
     def result(self, timeout: float | None = None) -> int:
         n: int = self._fut.result(timeout)
         if n != self._want:
-            raise OSError(errno.EIO, f"short direct write: {n} of {self._want} bytes at "
-                          f"{self._off}", self._path)
+            raise OSError(errno.EIO, f"short direct {self._what}: {n} of {self._want} bytes "
+                          f"at {self._off}", self._path)
         return n
 
     def bytes_by_path(self) -> dict[str, int]:

@@ -30,6 +30,7 @@ from phx.kv.nvme_backend import from_env as nvme_from_env
 from phx.kv import budget as _budget
 from phx.kv.budget import Budget, MiB, cgroup_memory, measure_budget
 from phx.kv.planner import DIRECT, PAGECACHE, Placement, place_layers
+from phx.kv.readahead import ReadAhead
 from phx.kv.slab import (DirectBackend, Extent, MemoryBackend, PageCacheBackend, SlabBackend,
                          round_up)
 
@@ -271,6 +272,9 @@ class KVStore:
         guard: the room (bytes below the tightest cap) under which Group 1 in
             memory shrinks (default 4 MiB + 1% of the cap; 0: no guard thread).
         guard_interval: seconds between the guard's looks at the cgroup.
+        readahead: tensors whose Group 2 rows :meth:`prefetch` may read ahead at
+            once (host buffers of one tensor each, counted in the budget before
+            they exist; see :mod:`phx.kv.readahead`).  0: none.
         write_behind: start the writeback of each page-cache write of at least
             :data:`~phx.kv.slab.WRITE_BEHIND_MIN` bytes at once, so Group 1 stays
             cached but clean.  ``None`` (the default): :func:`write_behind_default`
@@ -286,7 +290,7 @@ class KVStore:
                  relays: RelayPool | None = None,
                  write_behind: bool | None = None,
                  group1: str = "pagecache", guard: int | None = None,
-                 guard_interval: float = 0.05):
+                 guard_interval: float = 0.05, readahead: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if group1 not in GROUP1_KINDS:
@@ -326,6 +330,10 @@ class KVStore:
         self._own_relays = relays is None
         if relays is not None and device is None:
             self.device = relays.device
+        if readahead < 0:
+            raise ValueError(f"readahead must be >= 0, not {readahead}")
+        self.readahead = int(readahead)
+        self._ahead: ReadAhead | None = None    # made at the first prefetch()
 
     # -- allocation ---------------------------------------------------------
     def allocate_tensor(self, layer: int, kind: str, shape: tuple[int, ...],
@@ -350,7 +358,8 @@ class KVStore:
     # -- planning -----------------------------------------------------------
     def measure_budget(self) -> Budget:
         """B_pc now: what Group 1 may hold in total (its resident pages included)."""
-        return measure_budget(self.pinned_bytes + self.relay_bytes_to_pin(), self.reserve,
+        return measure_budget(self.pinned_bytes + self.relay_bytes_to_pin()
+                              + self.readahead_bytes_to_alloc(), self.reserve,
                               self.budget_override, own_bytes=self.resident_group1_bytes(),
                               held_dirty=self.group1 == "memory")
 
@@ -360,6 +369,12 @@ class KVStore:
         if self.device is None or self._relays is not None:
             return 0
         return self.copy_threads * self._relay_size()
+
+    def readahead_bytes_to_alloc(self) -> int:
+        """Read-ahead buffer bytes this store will still allocate."""
+        if self._ahead is not None:
+            return self._ahead.bytes_to_alloc()
+        return self.readahead * self._relay_size()
 
     def _relay_size(self) -> int:
         """One relay: the largest K or V tensor, rounded to the page."""
@@ -509,6 +524,8 @@ class KVStore:
         exclusively: no I/O in progress).  A layer's K and V form one run there;
         each old extent is discarded right after its copy (a demotion under
         pressure frees memory tensor by tensor)."""
+        if self._ahead is not None:
+            self._ahead.drop()          # read from where the tensors were
         for L in layers:
             ts = sorted((t for t in self._tensors.values() if t.layer == L and t.group != group
                          and t.group is not None), key=lambda t: (t.kind, t.id))
@@ -697,7 +714,13 @@ class KVStore:
         """
         self._check_open()
         with self._gate.shared():
-            return self._write(t, start, src)
+            if self._ahead is None:
+                return self._write(t, start, src)
+            self._ahead.writing(t.id)
+            try:
+                return self._write(t, start, src)
+            finally:
+                self._ahead.written(t.id)
 
     def _write(self, t: KVTensor, start: int, src: Any) -> int:
         from phx.kv.codma import gpu_view
@@ -734,7 +757,13 @@ class KVStore:
 
     def _read_gpu(self, t: KVTensor, off: int, ln: int, g: _View) -> None:
         be = self._ready(t)
+        assert t.extent is not None
+        start = (off - t.extent.start) // t.row_bytes
         with self.relays(g.device).acquire() as r:
+            if 0 < ln <= r.nbytes and self._take_ahead(t, start, start + ln // t.row_bytes,
+                                                       r.buf[:ln]):
+                r.to_device(g.ptr, ln)
+                return
             for pos in range(0, ln, r.nbytes):
                 k = min(r.nbytes, ln - pos)
                 be.read(r.buf[:k], off + pos)
@@ -772,7 +801,8 @@ class KVStore:
                 with self._gate.shared():
                     be = self._ready(t)
                     o, _ = self._range(t, start, stop)
-                    be.read(relay_buf[:ln], o)
+                    if not self._take_ahead(t, start, stop, relay_buf[:ln]):
+                        be.read(relay_buf[:ln], o)
             return ln
 
         def dma(relay_buf: npt.NDArray[np.uint8], nb: int) -> None:
@@ -799,7 +829,15 @@ class KVStore:
         """
         self._check_open()
         with self._gate.shared():
-            return self._write_async(t, start, src)
+            if self._ahead is None:
+                return self._write_async(t, start, src)
+            self._ahead.writing(t.id)
+            fut = None
+            try:
+                fut = self._write_async(t, start, src)
+                return fut
+            finally:
+                self._ahead.written(t.id, fut)
 
     def _write_async(self, t: KVTensor, start: int, src: Any) -> PhxFuture:
         from phx.kv.codma import gpu_view
@@ -853,9 +891,44 @@ class KVStore:
         if view.nbytes != ln:
             raise ValueError(f"destination holds {view.nbytes} bytes, rows [{start}:{stop}] "
                              f"are {ln}")
-        if ln:
+        if ln and not self._take_ahead(t, start, stop, view):
             be.read(view, off)
         return out
+
+    def _take_ahead(self, t: KVTensor, start: int, stop: int,
+                    dst: npt.NDArray[np.uint8]) -> bool:
+        """Rows ``[start:stop]`` of ``t`` into ``dst`` from a read-ahead, if one
+        holds them unchanged (False: read them from the device)."""
+        ahead = self._ahead
+        return ahead is not None and ahead.take(t.id, start, stop, t.row_bytes, dst)
+
+    def prefetch(self, t: KVTensor, start: int = 0, stop: int | None = None) -> bool:
+        """Start reading rows ``[start:stop]`` of ``t`` ahead of the read that will
+        ask for them (a later :meth:`read`, :meth:`copy_job` or GPU read of rows
+        within them takes them from a host buffer).  Only Group 2 tensors on a
+        backend with ``read_async`` are read ahead, only ``readahead`` at once,
+        never while a write of ``t`` is in flight; False when nothing was
+        started.  Bytes read ahead are served only if no write of ``t`` began
+        after the read-ahead did (see :mod:`phx.kv.readahead`)."""
+        self._check_open()
+        if self.readahead == 0:
+            return False
+        with self._gate.shared():
+            stop = t.rows if stop is None else stop
+            be = self._ready(t)
+            if t.group != DIRECT or not hasattr(be, "read_async"):
+                return False
+            off, ln = self._range(t, start, stop)
+            with self._lock:
+                if self._ahead is None:
+                    self._ahead = ReadAhead(self.readahead, self._relay_size())
+                ahead = self._ahead
+            return ahead.start(t.id, start, stop, ln,
+                               lambda buf: be.read_async(buf, off))
+
+    def readahead_report(self) -> dict[str, Any] | None:
+        """The read-ahead's counters (None before the first :meth:`prefetch`)."""
+        return self._ahead.report() if self._ahead is not None else None
 
     def _empty(self, t: KVTensor, rows: int) -> Any:
         shape = (rows,) + t.shape[1:]
@@ -890,6 +963,8 @@ class KVStore:
         with self._lock:
             if t.freed:
                 return
+            if self._ahead is not None:
+                self._ahead.drop(t.id)
             be = self.backend_of(t)
             if t.extent is not None and be is not None:
                 be.discard(t.extent)
