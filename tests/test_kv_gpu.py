@@ -140,6 +140,42 @@ def test_gpu_write_waits_for_the_producer_stream(fake_cuda, tmp_path):
     """)
 
 
+def test_gpu_reads_take_the_read_ahead(fake_cuda, tmp_path):
+    """Issue 26 part 4 on the GPU path: a read into GPU memory (through a relay)
+    and a copy job's relay read take rows read ahead; a GPU store after the
+    read-ahead makes it stale (the GPU then gets the stored bytes)."""
+    _run_fake(fake_cuda, tmp_path, r"""
+        st = KVStore(os.path.join(d, "s"), mode="direct", device=0, readahead=2)
+        k, v = st.allocate(0, (48, 1000), np.uint8)      # 1000-byte rows: unaligned
+        ref = {}
+        for t in (k, v):
+            ref[t.id] = rng.integers(1, 256, 48 * 1000, dtype=np.uint8)
+            st.write(t, 0, ref[t.id])
+        assert st.prefetch(k, 0, 48) and st.prefetch(v, 5, 40)
+        out = Dev(48 * 1000)
+        st.read(k, 0, 48, out=out)                         # _read_gpu: from the buffer
+        assert (out.host() == ref[k.id]).all()
+        with st.relays().acquire() as r:                   # a copy job's relay read
+            job = st.copy_job(v, 7, 31, Dev(24 * 1000))
+            nb = job.read(r.buf)
+            assert nb == 24 * 1000 and (r.buf[:nb] == ref[v.id][7000:31000]).all()
+        rep = st.readahead_report()
+        assert rep["served"] == 2 and rep["stale"] == 0, rep
+        # a GPU store of rows 10..19 after the read-ahead: stale, never served
+        assert st.prefetch(k, 0, 48)
+        src = Dev(10 * 1000)
+        src.host()[:] = rng.integers(1, 256, 10 * 1000, dtype=np.uint8)
+        st.write(k, 10, src)
+        ref[k.id][10000:20000] = src.host()
+        out2 = Dev(48 * 1000)
+        st.read(k, 0, 48, out=out2)
+        assert (out2.host() == ref[k.id]).all()
+        assert st.readahead_report()["stale"] == 1
+        st.destroy()
+        print("ok")
+    """)
+
+
 def test_relays_are_fixed_buffers_of_the_slab_engine(fake_cuda, tmp_path):
     """Direct-path reads into a relay are io_uring fixed-buffer I/O (the relay is
     registered with the slab's engine): Co-DMA, no bounce."""
