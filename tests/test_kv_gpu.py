@@ -141,9 +141,10 @@ def test_gpu_write_waits_for_the_producer_stream(fake_cuda, tmp_path):
 
 
 def test_gpu_reads_take_the_read_ahead(fake_cuda, tmp_path):
-    """Issue 26 part 4 on the GPU path: a read into GPU memory (through a relay)
-    and a copy job's relay read take rows read ahead; a GPU store after the
-    read-ahead makes it stale (the GPU then gets the stored bytes)."""
+    """Issue 26 part 4 on the GPU path: a read into GPU memory and a copy job
+    take rows read ahead, DMA'd straight from the read-ahead's pinned buffer
+    (the copy thread's relay untouched); a GPU store after the read-ahead makes
+    it stale (the GPU then gets the stored bytes)."""
     _run_fake(fake_cuda, tmp_path, r"""
         st = KVStore(os.path.join(d, "s"), mode="direct", device=0, readahead=2)
         k, v = st.allocate(0, (48, 1000), np.uint8)      # 1000-byte rows: unaligned
@@ -155,10 +156,15 @@ def test_gpu_reads_take_the_read_ahead(fake_cuda, tmp_path):
         out = Dev(48 * 1000)
         st.read(k, 0, 48, out=out)                         # _read_gpu: from the buffer
         assert (out.host() == ref[k.id]).all()
-        with st.relays().acquire() as r:                   # a copy job's relay read
-            job = st.copy_job(v, 7, 31, Dev(24 * 1000))
+        dst = Dev(24 * 1000)
+        with st.relays().acquire() as r:                   # a copy job, as the pipeline runs it
+            r.buf[:] = 0
+            job = st.copy_job(v, 7, 31, dst)
             nb = job.read(r.buf)
-            assert nb == 24 * 1000 and (r.buf[:nb] == ref[v.id][7000:31000]).all()
+            job.dma(r.buf, nb)
+            # one DMA from the read-ahead's pinned buffer: the relay was not used
+            assert not r.buf.any()
+        assert nb == 24 * 1000 and (dst.host() == ref[v.id][7000:31000]).all()
         rep = st.readahead_report()
         assert rep["served"] == 2 and rep["stale"] == 0, rep
         # a GPU store of rows 10..19 after the read-ahead: stale, never served

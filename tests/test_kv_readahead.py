@@ -211,3 +211,41 @@ def test_concurrent_writes_reads_and_read_aheads(fs_dir, rng):
         for t in ts:
             got = st.read(t)
             assert (got.view(np.uint16) == ref[t.id].view(np.uint16)).all()
+
+
+def test_no_buffer_means_no_read_ahead_not_an_error(data_dir, rng, monkeypatch):
+    """A read-ahead buffer that cannot be made (pinning refused, memory short)
+    reads nothing ahead; the read goes to the device and is exact."""
+    with _store(data_dir) as st:
+        ts, ref = _filled(st, rng, 1)
+
+        def refuse(nbytes):
+            raise OSError(12, "injected: no pinned memory")
+        monkeypatch.setattr(st, "_ahead_relay", refuse)
+        assert not st.prefetch(ts[0])
+        got = st.read(ts[0])
+        assert (got.view(np.uint16) == ref[ts[0].id].view(np.uint16)).all()
+        assert st.readahead_report()["no_buffer"] == 1
+
+
+@pytest.mark.parametrize("strategy", ["overlap-intra", "overlap-cross"])
+def test_copy_jobs_take_it_into_their_destination(fs_dir, rng, strategy):
+    """The adaptive pipeline's copy jobs (host destinations): rows read ahead go
+    straight into the destination, the rest through the relays; every byte is
+    the reference under both strategies."""
+    from phx.kv import AdaptivePipeline
+    with _store(fs_dir, readahead=3) as st:
+        ts, ref = _filled(st, rng, 3)
+        pipe = AdaptivePipeline(threads=2, strategy=strategy, relays=st.relays())
+        try:
+            for step in range(2):
+                outs = [np.zeros((70,) + SHAPE[1:], np.float16) for _ in ts]
+                for t in ts[1:4]:
+                    assert st.prefetch(t, 0, 70)
+                jobs = [st.copy_job(t, 0, 70, o) for t, o in zip(ts, outs)]
+                assert pipe.run(jobs) == len(ts) * 70 * 512
+                for t, o in zip(ts, outs):
+                    assert (o.view(np.uint16) == ref[t.id][:70].view(np.uint16)).all(), t
+        finally:
+            pipe.close()
+        assert st.readahead_report()["served"] == 6

@@ -19,25 +19,32 @@ Nothing read ahead is ever served when it could differ from the device:
 
 The buffers (``slots`` of the largest tensor each) are host memory within the
 job's cap: :class:`~phx.kv.KVStore` counts them in its budget before they exist,
-as it does its relays, so each slot costs Group 1 the same bytes.
+as it does its relays, so each slot costs Group 1 the same bytes.  They are
+:class:`~phx.kv.codma.Relay` objects (pinned for the store's GPU, io_uring fixed
+buffers of the slab's engine), so the bytes go from a read-ahead straight to
+their destination -- one host copy, or one DMA to the GPU -- never through a
+copy thread's relay first (:meth:`ReadAhead.lease`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from phx.kv import _sys
+if TYPE_CHECKING:
+    from phx.kv.codma import Relay
 
 
 @dataclass
 class _Entry:
     start: int                  # rows [start:stop] of the tensor
     stop: int
-    buf: npt.NDArray[np.uint8]
+    relay: Relay                # its buffer
     fut: Any                    # the read's future (bytes read)
     stale: bool = False
 
@@ -49,21 +56,23 @@ class ReadAhead:
     write, :meth:`start` for a read ahead and :meth:`take` before every read.
     """
 
-    def __init__(self, slots: int, slot_bytes: int):
+    def __init__(self, slots: int, slot_bytes: int, make: Callable[[int], Relay]):
         if slots < 0:
             raise ValueError(f"read-ahead slots must be >= 0, not {slots}")
         self.slots = int(slots)
         self.slot_bytes = int(slot_bytes)
+        self._make = make                           # make(nbytes) -> a Relay
         self._lock = threading.Lock()
-        self._free: list[npt.NDArray[np.uint8]] = []
+        self._free: list[Relay] = []
+        self._all: list[Relay] = []
         self._made = 0
         self._ent: dict[int, _Entry] = {}
         self._writing: dict[int, int] = {}          # tensor id -> writes in flight
         self._async: dict[int, list[Any]] = {}      # tensor id -> async write futures
         #: started, served, stale (a write overlapped), failed, refused (no slot or
-        #: a write in flight), bytes served
+        #: a write in flight), no_buffer (a buffer could not be made), bytes served
         self.stats = {"started": 0, "served": 0, "stale": 0, "failed": 0, "refused": 0,
-                      "bytes_served": 0}
+                      "no_buffer": 0, "bytes_served": 0}
 
     def bytes_to_alloc(self) -> int:
         """Buffer bytes not allocated yet (for a budget measured before they are)."""
@@ -116,58 +125,76 @@ class ReadAhead:
             if e is not None or self._write_in_flight_locked(tid):
                 self.stats["refused"] += 1
                 return False
-            buf = self._buffer_locked()
-            if buf is None:
+            relay = self._relay_locked()
+            if relay is None:
                 self.stats["refused"] += 1
                 return False
             # submitted under the lock (an async submission returns at once), so
             # no entry is ever seen without its read: a write from now on marks
             # it stale, and nobody reuses its buffer before the read is done
             try:
-                fut = submit(buf[:nbytes])
+                fut = submit(relay.buf[:nbytes])
             except BaseException:
-                self._free.append(buf)
+                self._free.append(relay)
                 self.stats["failed"] += 1
                 raise
-            self._ent[tid] = _Entry(start, stop, buf, fut)
+            self._ent[tid] = _Entry(start, stop, relay, fut)
             self.stats["started"] += 1
         return True
 
-    def _buffer_locked(self) -> npt.NDArray[np.uint8] | None:
+    def _relay_locked(self) -> Relay | None:
         if self._free:
             return self._free.pop()
         if self._made < self.slots:
+            try:
+                r = self._make(self.slot_bytes)     # touched (charged) when made
+            except (OSError, RuntimeError, MemoryError):
+                # no buffer (pinning or registration refused, memory short):
+                # nothing is read ahead, the reads go to the device as before
+                self.stats["no_buffer"] += 1
+                return None
             self._made += 1
-            b = _sys.aligned_empty(self.slot_bytes)
-            b[:] = 0                    # charged now, as the budget assumed
-            return b
+            self._all.append(r)
+            return r
         return None
 
-    def take(self, tid: int, start: int, stop: int, row_bytes: int,
-             dst: npt.NDArray[np.uint8]) -> bool:
-        """Fill ``dst`` with rows ``[start:stop]`` of tensor ``tid`` from its
-        read-ahead.  False (``dst`` untouched) when there is none, it was
-        overlapped by a write, does not cover the rows, or failed: the caller
-        reads from the device."""
+    @contextlib.contextmanager
+    def lease(self, tid: int, start: int, stop: int,
+              row_bytes: int) -> Iterator[tuple[Relay, int] | None]:
+        """Rows ``[start:stop]`` of tensor ``tid`` as (relay, byte offset in its
+        buffer) while the block runs, or None when there is no read-ahead of them
+        (none, overlapped by a write, not covering the rows, or failed: read
+        from the device).  The read-ahead is used up either way; its buffer is
+        free again when the block ends."""
         with self._lock:
             e = self._ent.pop(tid, None)
         if e is None:
-            return False
-        ok = False
+            yield None
+            return
         try:
             ok = self._finish(e, (e.stop - e.start) * row_bytes)
-            if ok and not (e.start <= start and stop <= e.stop):
-                ok = False
-            if ok:
-                a = (start - e.start) * row_bytes
-                np.copyto(dst, e.buf[a:a + (stop - start) * row_bytes])
+            if ok and e.start <= start and stop <= e.stop:
                 with self._lock:
                     self.stats["served"] += 1
-                    self.stats["bytes_served"] += dst.nbytes
+                    self.stats["bytes_served"] += (stop - start) * row_bytes
+                yield e.relay, (start - e.start) * row_bytes
+            else:
+                yield None
         finally:
             with self._lock:
-                self._free.append(e.buf)
-        return ok
+                self._free.append(e.relay)
+
+    def take(self, tid: int, start: int, stop: int, row_bytes: int,
+             dst: npt.NDArray[np.uint8]) -> bool:
+        """Fill ``dst`` (host memory) with rows ``[start:stop]`` of tensor ``tid``
+        from its read-ahead; False (``dst`` untouched) when :meth:`lease` has
+        none."""
+        with self.lease(tid, start, stop, row_bytes) as got:
+            if got is None:
+                return False
+            relay, off = got
+            np.copyto(dst, relay.buf[off:off + dst.nbytes])
+            return True
 
     def _finish(self, e: _Entry, want: int) -> bool:
         """Wait for ``e``'s read; True when it read all ``want`` bytes and no
@@ -201,7 +228,16 @@ class ReadAhead:
             except OSError:
                 pass
             with self._lock:
-                self._free.append(e.buf)
+                self._free.append(e.relay)
+
+    def close(self) -> None:
+        """Wait for every read ahead and release the buffers (unpin, unregister)."""
+        self.drop()
+        with self._lock:
+            rs, self._all, self._free = self._all, [], []
+            self._made = self.slots          # no more buffers after close
+        for r in rs:
+            r.close()
 
     def report(self) -> dict[str, Any]:
         with self._lock:

@@ -37,7 +37,7 @@ from phx.kv.slab import (DirectBackend, Extent, MemoryBackend, PageCacheBackend,
 if TYPE_CHECKING:
     from phx import Engine, PhxFuture
     from phx.gpu import _View
-    from phx.kv.codma import RelayPool
+    from phx.kv.codma import Relay, RelayPool
     from phx.kv.pipeline import CopyJob
 
 MODES = ("dual", "direct", "pagecache")
@@ -760,9 +760,8 @@ class KVStore:
         assert t.extent is not None
         start = (off - t.extent.start) // t.row_bytes
         with self.relays(g.device).acquire() as r:
-            if 0 < ln <= r.nbytes and self._take_ahead(t, start, start + ln // t.row_bytes,
-                                                       r.buf[:ln]):
-                r.to_device(g.ptr, ln)
+            if 0 < ln <= r.nbytes and self._ahead_to_gpu(t, start, start + ln // t.row_bytes,
+                                                         g.ptr, g.device, r):
                 return
             for pos in range(0, ln, r.nbytes):
                 k = min(r.nbytes, ln - pos)
@@ -791,6 +790,9 @@ class KVStore:
             raise ValueError(f"destination holds {nbytes} bytes, rows [{start}:{stop}] "
                              f"are {ln}")
         pool = self._relays
+        # a read-ahead of these rows, held from read() to dma(): its bytes go to
+        # the destination directly (one copy or DMA, not through the relay)
+        held: list[Any] = []
 
         def read(relay_buf: npt.NDArray[np.uint8]) -> int:
             if ln > relay_buf.nbytes:
@@ -801,11 +803,38 @@ class KVStore:
                 with self._gate.shared():
                     be = self._ready(t)
                     o, _ = self._range(t, start, stop)
-                    if not self._take_ahead(t, start, stop, relay_buf[:ln]):
-                        be.read(relay_buf[:ln], o)
+                    if g is None and self._take_ahead(t, start, stop, dst):
+                        held.append(None)   # already in place
+                        return ln
+                    if g is not None and self._ahead is not None:
+                        cm = self._ahead.lease(t.id, start, stop, t.row_bytes)
+                        got = cm.__enter__()
+                        if got is not None:
+                            held.append((cm, got))
+                            return ln
+                        cm.__exit__(None, None, None)
+                    be.read(relay_buf[:ln], o)
             return ln
 
         def dma(relay_buf: npt.NDArray[np.uint8], nb: int) -> None:
+            if held:
+                lease = held.pop()
+                if lease is not None:
+                    cm, (src, off) = lease
+                    assert g is not None        # leases are held for GPU destinations
+                    try:
+                        r = pool.current() if pool is not None else None
+                        if src.pinned and src.device == g.device:
+                            src.to_device(g.ptr, nb, off)
+                        elif r is not None:
+                            np.copyto(r.buf[:nb], src.buf[off:off + nb])
+                            r.to_device(g.ptr, nb)
+                        else:
+                            raise RuntimeError("copy_job needs a pipeline running on "
+                                               "this store's relays")
+                    finally:
+                        cm.__exit__(None, None, None)
+                return
             if nb == 0 and ln:
                 self.read(t, start, stop, out=out)
                 return
@@ -921,10 +950,46 @@ class KVStore:
             off, ln = self._range(t, start, stop)
             with self._lock:
                 if self._ahead is None:
-                    self._ahead = ReadAhead(self.readahead, self._relay_size())
+                    self._ahead = ReadAhead(self.readahead, self._relay_size(),
+                                            self._ahead_relay)
                 ahead = self._ahead
             return ahead.start(t.id, start, stop, ln,
                                lambda buf: be.read_async(buf, off))
+
+    def _ahead_relay(self, nbytes: int) -> Relay:
+        """A read-ahead buffer: a relay pinned for the store's device (a host one
+        without), registered with the slab's engine like the copy relays."""
+        from phx.kv.codma import Relay
+        eng = None
+        if self._own_direct:
+            import phx
+            eng = self._engine or phx.default_engine()
+        try:
+            return Relay(nbytes, self.device, eng)
+        except OSError:
+            # the engine's fixed-buffer slots are shared by every store of the
+            # process (64): without one, O_DIRECT reads into the buffer still work
+            return Relay(nbytes, self.device, None)
+
+    def _ahead_to_gpu(self, t: KVTensor, start: int, stop: int, ptr: int, device: int,
+                      r: Relay) -> bool:
+        """Rows ``[start:stop]`` of ``t`` from a read-ahead to GPU address ``ptr``:
+        one DMA from the read-ahead's pinned buffer (through the thread's relay
+        ``r`` when it is not pinned for ``device``).  False: none, read the device."""
+        ahead = self._ahead
+        if ahead is None:
+            return False
+        with ahead.lease(t.id, start, stop, t.row_bytes) as got:
+            if got is None:
+                return False
+            src, off = got
+            n = (stop - start) * t.row_bytes
+            if src.pinned and src.device == device:
+                src.to_device(ptr, n, off)
+            else:
+                np.copyto(r.buf[:n], src.buf[off:off + n])
+                r.to_device(ptr, n)
+            return True
 
     def readahead_report(self) -> dict[str, Any] | None:
         """The read-ahead's counters (None before the first :meth:`prefetch`)."""
@@ -983,6 +1048,8 @@ class KVStore:
                 return
             for t in list(self._tensors.values()):
                 self.free(t)
+            if self._ahead is not None:
+                self._ahead.close()     # before the slab's engine goes
             if self._pc is not None:
                 self._pc.close(unlink)
             if self._direct is not None:
