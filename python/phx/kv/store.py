@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -228,6 +228,20 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def _lease_to_gpu(got: tuple[Relay, int], n: int, ptr: int, device: int,
+                  r: Relay | None) -> None:
+    """``n`` bytes of a read-ahead lease (relay, offset) to GPU address ``ptr``:
+    one DMA when its buffer is pinned for ``device``, else through relay ``r``."""
+    src, off = got
+    if src.pinned and src.device == device:
+        src.to_device(ptr, n, off)
+    elif r is not None:
+        np.copyto(r.buf[:n], src.buf[off:off + n])
+        r.to_device(ptr, n)
+    else:
+        raise RuntimeError("copy_job needs a pipeline running on this store's relays")
+
+
 def write_behind_default() -> bool:
     """Dual-Blade's write-behind where it pays: under a cgroup v2 memory limit.
 
@@ -391,19 +405,21 @@ class KVStore:
                 size = self._relay_size()
                 if size == 0:
                     raise ValueError("no tensors allocated: relay size unknown")
-                eng = None
-                if self._own_direct:
-                    # the slab's engine: its O_DIRECT I/O into a relay uses it as a
-                    # fixed buffer (an NVMe namespace has its own ring)
-                    import phx
-                    eng = self._engine or phx.default_engine()
-                self._relays = RelayPool(self.copy_threads, size, dev, eng)
+                self._relays = RelayPool(self.copy_threads, size, dev, self._relay_engine())
                 if self.device is None:
                     self.device = dev
             elif device is not None and self._relays.device != device:
                 raise ValueError(f"this store moves tensors of device {self._relays.device}, "
                                  f"not {device}")
             return self._relays
+
+    def _relay_engine(self) -> Engine | None:
+        """The engine relays are registered with: the slab's, whose O_DIRECT I/O
+        into a relay uses it as a fixed buffer (an NVMe namespace has its own ring)."""
+        if not self._own_direct:
+            return None
+        import phx
+        return self._engine or phx.default_engine()
 
     @property
     def relay_pool(self) -> RelayPool | None:
@@ -713,14 +729,22 @@ class KVStore:
         stream, after the work queued on ``src``'s stream) -> storage.
         """
         self._check_open()
-        with self._gate.shared():
-            if self._ahead is None:
-                return self._write(t, start, src)
-            self._ahead.writing(t.id)
-            try:
-                return self._write(t, start, src)
-            finally:
-                self._ahead.written(t.id)
+        with self._gate.shared(), self._announced_write(t):
+            return self._write(t, start, src)
+
+    @contextmanager
+    def _announced_write(self, t: KVTensor, futs: list[Any] | None = None) -> Iterator[None]:
+        """Tell the read-ahead a write of ``t`` runs (in flight until the block
+        ends, or, for an async write, until the future left in ``futs`` is done)."""
+        ahead = self._ahead
+        if ahead is None:
+            yield
+            return
+        ahead.writing(t.id)
+        try:
+            yield
+        finally:
+            ahead.written(t.id, futs[0] if futs else None)
 
     def _write(self, t: KVTensor, start: int, src: Any) -> int:
         from phx.kv.codma import gpu_view
@@ -807,12 +831,13 @@ class KVStore:
                         held.append(None)   # already in place
                         return ln
                     if g is not None and self._ahead is not None:
-                        cm = self._ahead.lease(t.id, start, stop, t.row_bytes)
-                        got = cm.__enter__()
+                        stack = ExitStack()
+                        got = stack.enter_context(
+                            self._ahead.lease(t.id, start, stop, t.row_bytes))
                         if got is not None:
-                            held.append((cm, got))
+                            held.append((stack, got))
                             return ln
-                        cm.__exit__(None, None, None)
+                        stack.close()
                     be.read(relay_buf[:ln], o)
             return ln
 
@@ -820,20 +845,11 @@ class KVStore:
             if held:
                 lease = held.pop()
                 if lease is not None:
-                    cm, (src, off) = lease
+                    stack, got = lease
                     assert g is not None        # leases are held for GPU destinations
-                    try:
-                        r = pool.current() if pool is not None else None
-                        if src.pinned and src.device == g.device:
-                            src.to_device(g.ptr, nb, off)
-                        elif r is not None:
-                            np.copyto(r.buf[:nb], src.buf[off:off + nb])
-                            r.to_device(g.ptr, nb)
-                        else:
-                            raise RuntimeError("copy_job needs a pipeline running on "
-                                               "this store's relays")
-                    finally:
-                        cm.__exit__(None, None, None)
+                    with stack:
+                        _lease_to_gpu(got, nb, g.ptr, g.device,
+                                      pool.current() if pool is not None else None)
                 return
             if nb == 0 and ln:
                 self.read(t, start, stop, out=out)
@@ -857,16 +873,10 @@ class KVStore:
         write synchronously.
         """
         self._check_open()
-        with self._gate.shared():
-            if self._ahead is None:
-                return self._write_async(t, start, src)
-            self._ahead.writing(t.id)
-            fut = None
-            try:
-                fut = self._write_async(t, start, src)
-                return fut
-            finally:
-                self._ahead.written(t.id, fut)
+        futs: list[PhxFuture] = []
+        with self._gate.shared(), self._announced_write(t, futs):
+            futs.append(self._write_async(t, start, src))
+            return futs[0]
 
     def _write_async(self, t: KVTensor, start: int, src: Any) -> PhxFuture:
         from phx.kv.codma import gpu_view
@@ -960,12 +970,8 @@ class KVStore:
         """A read-ahead buffer: a relay pinned for the store's device (a host one
         without), registered with the slab's engine like the copy relays."""
         from phx.kv.codma import Relay
-        eng = None
-        if self._own_direct:
-            import phx
-            eng = self._engine or phx.default_engine()
         try:
-            return Relay(nbytes, self.device, eng)
+            return Relay(nbytes, self.device, self._relay_engine())
         except OSError:
             # the engine's fixed-buffer slots are shared by every store of the
             # process (64): without one, O_DIRECT reads into the buffer still work
@@ -982,13 +988,7 @@ class KVStore:
         with ahead.lease(t.id, start, stop, t.row_bytes) as got:
             if got is None:
                 return False
-            src, off = got
-            n = (stop - start) * t.row_bytes
-            if src.pinned and src.device == device:
-                src.to_device(ptr, n, off)
-            else:
-                np.copyto(r.buf[:n], src.buf[off:off + n])
-                r.to_device(ptr, n)
+            _lease_to_gpu(got, (stop - start) * t.row_bytes, ptr, device, r)
             return True
 
     def readahead_report(self) -> dict[str, Any] | None:
