@@ -16,7 +16,8 @@
 # (519, 128, 128) fp16), decode reads 7 x ~1 GiB; caps = 256 MiB + 0.2 ... 1.2 x
 # the working set; one worker per configuration (model loaded once, all caps).
 # FLEX_ARGS: more run_four.py options; FLEX_CONFIGS: the configurations (add
-# dual-nowb for Dual-Blade without its write-behind beside dual).
+# dual-nowb for Dual-Blade without its write-behind beside dual); KV_ARGS: the
+# workload of `phx bench kv` (e.g. --model llama-3-8b, the GQA shape).
 . "$(dirname "$0")/gpu_common.sh" || exit 1
 DATA=${FLEX_DIR:-/var/tmp/flexkv}
 gpu_begin --elapsed run.log "$DATA"
@@ -60,8 +61,8 @@ flex() {
 bench() {
 	local t=$(($(time_left) - 10))
 	[ $t -gt 60 ] || { log "no time left for phx bench kv ($t s)"; return 0; }
-	log "phx bench kv (gen 8, 3 caps, 1 repeat, $t s)"
-	timeout $t python3 -m phx bench kv --gen 8 --caps 0.4,0.8,1.2 --repeat 1 --quiet \
+	log "phx bench kv (${KV_ARGS:-gen 8, 3 caps, 1 repeat}, $t s)"
+	timeout $t python3 -m phx bench kv ${KV_ARGS:---gen 8 --caps 0.4,0.8,1.2 --repeat 1} --quiet \
 		--dir /var/tmp/phxkv --json "$OUT/bench-kv.json" --plot "$OUT/bench-kv.png" 2>&1 |
 		tee -a "$LOG" | tail -25
 	rm -rf /var/tmp/phxkv

@@ -4,7 +4,10 @@
 # repository root, with $OUT a folder whose files come back.  The box has no
 # internet, no apt and no liburing headers: everything phx needs to build and
 # run there is carried in git-ignored folders (.devcarry/deb: Debian's
-# liburing-dev and liburing2 .debs; .devcarry/whl, .whl-*: wheels).
+# liburing-dev and liburing2 .debs; .devcarry/whl, .whl-*: wheels;
+# .devcarry/bin: a static fio, the yardstick the box lacks, built from
+# Debian's fio 3.33 source with `./configure --build-static` and the optional
+# engines off - found on PATH once gpu_begin ran).
 #
 # Sourced, never run:  . "$(dirname "$0")/gpu_common.sh"
 # It only defines names; nothing happens until a script calls gpu_begin.
@@ -49,6 +52,7 @@ gpu_begin() {
 	OUT=${OUT:-/tmp/phx-out}
 	mkdir -p "$OUT"
 	export PYTHONUNBUFFERED=1
+	[ ! -x .devcarry/bin/fio ] || export PATH=$PWD/.devcarry/bin:$PATH
 	LOG=$OUT/$1
 	shift
 	mkdir -p "$TESTDIR" "$@"
