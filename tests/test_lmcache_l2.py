@@ -200,12 +200,14 @@ def test_truncated_slab(results: dict[str, Any], fs: str) -> None:
 def test_full_filesystem(results: dict[str, Any], fs: str) -> None:
     r = _sc(results, fs, "enospc")
     assert r["start"] == {"no_plugin": True, "left_behind": False}
-    d = r["during"]
-    assert d["stats"].get("payload_failures", 0) + d["stats"].get("header_failures", 0) > 0
-    assert d["stats"]["puts"] > 0
-    stored = d["check"]["exact"]
-    assert d["check"]["wrong"] == [] and len(stored) == d["stats"]["puts"]
-    _exact(r["after"]["check"], stored, [i for i in range(40) if i not in stored])
+    for name in ("", "_writers2"):       # payloads by one engine, then by two at once
+        d = r["during" + name]
+        assert d["stats"]["writers"] == (2 if name else 1)
+        assert d["stats"].get("payload_failures", 0) + d["stats"].get("header_failures", 0) > 0
+        assert d["stats"]["puts"] > 0
+        stored = d["check"]["exact"]
+        assert d["check"]["wrong"] == [] and len(stored) == d["stats"]["puts"]
+        _exact(r["after" + name]["check"], stored, [i for i in range(40) if i not in stored])
 
 
 @pytest.mark.parametrize("fs", FS)
@@ -235,6 +237,10 @@ def test_two_slab_files(results: dict[str, Any], fs: str) -> None:
     _exact(r["run"]["check"], range(12))
     assert r["run"]["second"] == "SlabInUseError"
     _exact(r["restart"]["check"], range(12))
+    w = r["writers3"]                     # phx_l2.writers 3: payloads on three engines
+    assert w["stats"]["writers"] == 3 and w["engines"] == 3 and w["stats"]["puts"] == 13
+    _exact(w["check"], range(13))
+    _exact(r["writers3_restart"]["check"], range(13))
 
 
 def test_readers_setting() -> None:
@@ -263,12 +269,12 @@ def test_readers_setting() -> None:
 
 
 def test_payload_writes_keep_what_a_failed_batch_wrote() -> None:
-    """Payloads go out in one ``pwrite_batch`` per slab file; when it fails
+    """Payloads go out in one ``pwrite_batch`` per writer and slab file; when it fails
     (which says only that some write failed) each payload is written again on
     its own, so one payload that cannot be written loses only itself; a short
     count in a batch that succeeded marks only that payload unwritten."""
     code = r'''
-import collections, concurrent.futures, json, os
+import collections, concurrent.futures, json, os, threading
 from phx_lmcache.l2.backend import PhxL2Backend, _Put
 
 class Obj:
@@ -306,6 +312,9 @@ for batch in ("fail", "short"):
     be = PhxL2Backend.__new__(PhxL2Backend)
     be.header_bytes, be._slab = 4096, Slab(f)
     be.counters, be._logged_fail = collections.defaultdict(int), set()
+    # two writers: slots 0 and 2 in this thread, 1 and 3 on a pool thread
+    be.writers, be._efiles, be._lock = 2, [[f], [f]], threading.Lock()
+    be._readers = concurrent.futures.ThreadPoolExecutor(1)
     work = []
     for i in range(4):
         o = Obj(i)

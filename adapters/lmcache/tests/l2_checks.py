@@ -66,8 +66,11 @@ def make_cfg(slab: str, slots: int, **extra: object) -> LMCacheEngineConfig:
           "phx_l2.capacity_gb": (4096 + slots * SLOT) / (1 << 30),
           # 4 pieces per chunk, 2 in flight: the verify pipeline's piece and window
           # paths; one reader whatever the CPUs (sc_flip_payload also runs two, and
-          # "auto" as on 16 CPUs)
-          "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2, "phx_l2.readers": 1}
+          # "auto" as on 16 CPUs); two payload writers whatever the CPUs, so every
+          # fault below meets puts written by two engines at once (sc_enospc also
+          # runs one, sc_two_files three)
+          "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2, "phx_l2.readers": 1,
+          "phx_l2.writers": 2}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
     if "," in slab:
         ex["phx_l2.capacity_gb"] = (slab.count(",") + 1) * (4096 + slots * SLOT) / (1 << 30)
@@ -432,24 +435,28 @@ def sc_enospc(d):
         big = os.path.join(sub, "big.slab")
         start = run(ph_check, big, 64, [0])
         start["left_behind"] = os.path.exists(big)
-        # 2. a sparse slab (preallocate false) that runs out while putting
-        slab = os.path.join(sub, "sparse.slab")
+        # 2. a sparse slab (preallocate false) that runs out while putting, its
+        # batches' payloads written by one engine, then (a new slab) by two at once
         idx = list(range(40))                      # 10 MiB into ~4 MiB free
+        res = {"start": start}
+        for writers, name in ((1, ""), (2, "_writers2")):
+            slab = os.path.join(sub, f"sparse{name}.slab")
 
-        def fill(out):
-            sm, l2, cpu = make(slab, 48, preallocate=False)
-            for s in range(0, len(idx), 4):
-                put(sm, l2, cpu, idx[s:s + 4])
-            res = {"check": check(sm, l2, idx), "stats": stats(l2)}
-            sm.close()
-            return res
+            def fill(out):
+                sm, l2, cpu = make(slab, 48, preallocate=False, writers=writers)
+                for s in range(0, len(idx), 4):
+                    put(sm, l2, cpu, idx[s:s + 4])
+                r = {"check": check(sm, l2, idx), "stats": stats(l2)}
+                sm.close()
+                return r
 
-        during = run(fill)
-        after = run(ph_check, slab, 48, idx, {"preallocate": False})
+            res["during" + name] = run(fill)
+            res["after" + name] = run(ph_check, slab, 48, idx, {"preallocate": False})
+            os.unlink(slab)
     finally:
         os.unlink(filler)
         shutil.rmtree(sub, ignore_errors=True)
-    return {"start": start, "during": during, "after": after}
+    return res
 
 
 def sc_two_servers(d):
@@ -549,7 +556,22 @@ def sc_two_files(d):
 
     a = run(go)
     b = run(ph_check, ",".join(slabs), 16, idx)
-    return {"run": a, "restart": b}
+
+    # three writers over two files: every batch's payloads on three engines at once
+    # (13 chunks: shares of unequal size, in both files)
+    slabs3 = [os.path.join(d, "c.slab"), os.path.join(d, "d.slab")]
+    idx3 = list(range(13))
+
+    def go3(out):
+        sm, l2, cpu = make(",".join(slabs3), 16, writers=3)
+        put(sm, l2, cpu, idx3)
+        res = {"check": check(sm, l2, idx3), "stats": stats(l2), "engines": len(l2._engines)}
+        sm.close()
+        return res
+
+    c = run(go3)
+    e = run(ph_check, ",".join(slabs3), 16, idx3)
+    return {"run": a, "restart": b, "writers3": c, "writers3_restart": e}
 
 
 SCENARIOS = {

@@ -93,9 +93,9 @@ def _obj_meta(obj: Any) -> bytes:
                            None if cp is None else [int(x) for x in cp.tolist()])
 
 
-def _readers(value: Any) -> int:
-    """``phx_l2.readers``: a count, or ``auto`` - the CPUs this process may run
-    on, 1 to 8.  A read from a device that copies inside the submitting call
+def _readers(value: Any, name: str = "readers") -> int:
+    """``phx_l2.readers`` (or ``writers``): a count, or ``auto`` - the CPUs this
+    process may run on, 1 to 8.  A read from a device that copies inside the submitting call
     (zram, a page-cache hit) is one CPU per reader: on the H100 box's 16 CPUs
     one reader got 3.4-4.2 GB/s from zram where LocalDiskBackend's 4 threads
     got 12.4; on the 2-core dev box two readers got 1.25-1.8x one's from zram
@@ -106,9 +106,9 @@ def _readers(value: Any) -> int:
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"phx_l2.readers must be a count or 'auto', not {value!r}") from None
+        raise ValueError(f"phx_l2.{name} must be a count or 'auto', not {value!r}") from None
     if n < 1:
-        raise ValueError(f"phx_l2.readers must be at least 1, not {n}")
+        raise ValueError(f"phx_l2.{name} must be at least 1, not {n}")
     return n
 
 
@@ -157,6 +157,12 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self.piece = max(fmt.ALIGN, int(extra.get("phx_l2.read_piece_kb", 2048)) * 1024
                          // fmt.ALIGN * fmt.ALIGN)
         self.readers = _readers(extra.get("phx_l2.readers", "auto"))
+        # A batch's payloads dealt to this many engines, written at once: zram
+        # (any synchronous block driver) compresses inside the submitting call,
+        # so one engine writes at one CPU's speed.  On the 2-core dev box (2
+        # writers): zram puts of 4 / 16 / 32 MiB chunks 1.18 / 1.24 / 1.28x one
+        # writer, medians of 4 in one run (docs/lmcache-l2.md, "Writers").
+        self.writers = _readers(extra.get("phx_l2.writers", "auto"), "writers")
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
         # crc32c of a get's pieces on a thread of its own (see _reader); off by
         # default: on the 2-core dev box it cost ~5 % more CPU per byte (the thread
@@ -170,18 +176,19 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._engine = phx.Engine(max_io_size=max_io)
         self._slab = SlabSet(paths, capacity, self.header_bytes, self.slot_bytes,
                              self._engine, preallocate)
-        # Reader r reads through engine r: one engine submits under one lock, and on
-        # a device that copies inside io_uring_enter (zram) that lock would let only
-        # one thread copy at a time.  Engine 0 is the writer's too.
+        # Reader (writer) r reads (writes) through engine r: one engine submits
+        # under one lock, and on a device that copies inside io_uring_enter (zram)
+        # that lock would let only one thread copy at a time.  Engine 0 also
+        # writes the headers and tombstones.
         self._engines = [self._engine]
-        self._rfiles: list[list[Any]] = [[f.f for f in self._slab.files]]
+        self._efiles: list[list[Any]] = [[f.f for f in self._slab.files]]
         try:
-            for _ in range(1, self.readers):
+            for _ in range(1, max(self.readers, self.writers)):
                 eng = phx.Engine(max_io_size=max_io)
                 self._engines.append(eng)
-                self._rfiles.append([eng.open(f.path, "r") for f in self._slab.files])
+                self._efiles.append([eng.open(f.path, "r+") for f in self._slab.files])
         except BaseException:
-            self._close_readers()
+            self._close_engines()
             self._slab.close()
             raise
         self._pool_regs: list[tuple[Any, Any]] = []
@@ -270,14 +277,14 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                         done, len(mv) * len(self._engines), e)
         self.counters["pool_registered_bytes"] = done
 
-    def _close_readers(self) -> None:
-        for files in self._rfiles[1:]:
+    def _close_engines(self) -> None:
+        for files in self._efiles[1:]:
             for f in files:
                 try:
                     f.close()
                 except OSError:
                     pass
-        self._rfiles = self._rfiles[:1]
+        self._efiles = self._efiles[:1]
         for eng in self._engines[1:]:
             eng.close()
         self._engines = self._engines[:1]
@@ -462,10 +469,12 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         return bad
 
     def _fail(self, what: str, path: str, e: BaseException) -> None:
-        self.counters[f"{what}_failures"] += 1
         kind = (what, path, getattr(e, "errno", None))
-        if kind not in self._logged_fail:
+        with self._lock:         # payload writers run on several threads
+            self.counters[f"{what}_failures"] += 1
+            first = kind not in self._logged_fail
             self._logged_fail.add(kind)
+        if first:
             log.warning("phx L2: %s write failed on %s: %s (further failures of this kind "
                         "are counted in stats(), not logged)", what, path, e)
 
@@ -552,40 +561,57 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 b[3].set_result(None)
 
     def _write_payloads(self, work: list[_Put]) -> None:
-        """Every payload of the batch, one waiting submission per slab file
-        (``pwrite_batch``: on a device that copies inside the submitting call,
-        zram, the engine spreads such a batch over io-wq workers instead of
-        copying it all in this thread); ``p.paid`` for each.  A failed
-        submission says that some write failed, not which: its payloads are
-        then written again one at a time (headers are not written yet, so
-        rewriting a payload changes nothing on disk)."""
+        """Every payload of the batch, ``p.paid`` for each: the payloads dealt
+        round-robin to ``writers`` engines, each engine's share one waiting
+        submission per slab file, the shares written at once (the first in this
+        thread, the others on pool threads).  Headers come only after all of
+        them, so a crash in between leaves no header over a partial payload."""
         hb = self.header_bytes
-        byfile: dict[int, list[tuple[_Put, int]]] = collections.defaultdict(list)
-        for p in work:
+        nw = min(self.writers, len(work))
+        shares: dict[tuple[int, int], list[tuple[_Put, int]]] = collections.defaultdict(list)
+        for j, p in enumerate(work):
             f, off = self._slab.locate(p.slot)
-            byfile[f.index].append((p, off + hb))
-        for fi, lst in byfile.items():
-            f = self._slab.files[fi]
-            done: list[Any]
-            try:
-                done = f.f.pwrite_batch([(p.obj.byte_array, off) for p, off in lst])
-            except OSError:
-                done = []
-                for p, off in lst:
-                    try:
-                        done.append(f.f.pwrite_async(p.obj.byte_array, off))
-                    except OSError as e:
-                        done.append(e)
-            for (p, _), n in zip(lst, done):
+            shares[(j % nw, f.index)].append((p, off + hb))
+        jobs = list(shares.items())
+        futs = [self._readers.submit(self._write_share, w, fi, lst)
+                for (w, fi), lst in jobs[1:]]
+        try:
+            if jobs:
+                (w, fi), lst = jobs[0]
+                self._write_share(w, fi, lst)
+        finally:
+            for fu in futs:
+                fu.result()      # _write_share raises nothing: failures are in p.paid
+
+    def _write_share(self, w: int, fi: int, lst: list[tuple[_Put, int]]) -> None:
+        """One engine's payloads for one slab file in one ``pwrite_batch`` (a
+        waiting batch, which the io_uring engine spreads over io-wq where the
+        device copies inline).  A failed submission says that some write
+        failed, not which: its payloads are then written again one at a time
+        (headers are not written yet, so rewriting a payload changes nothing on
+        disk)."""
+        f = self._efiles[w][fi]
+        path = self._slab.files[fi].path
+        done: list[Any]
+        try:
+            done = f.pwrite_batch([(p.obj.byte_array, off) for p, off in lst])
+        except OSError:
+            done = []
+            for p, off in lst:
                 try:
-                    if isinstance(n, BaseException):
-                        raise n
-                    n = n if isinstance(n, int) else n.result()
-                    p.paid = n == p.nbytes
-                    if not p.paid:
-                        raise OSError(0, f"short write {n} of {p.nbytes}")
+                    done.append(f.pwrite_async(p.obj.byte_array, off))
                 except OSError as e:
-                    self._fail("payload", f.path, e)
+                    done.append(e)
+        for (p, _), n in zip(lst, done):
+            try:
+                if isinstance(n, BaseException):
+                    raise n
+                n = n if isinstance(n, int) else n.result()
+                p.paid = n == p.nbytes
+                if not p.paid:
+                    raise OSError(0, f"short write {n} of {p.nbytes}")
+            except OSError as e:
+                self._fail("payload", path, e)
 
     def _write_headers(self, ok: list[_Put]) -> None:
         if not ok:
@@ -737,7 +763,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             assert e is not None
             plan = plans[j % nr]        # (chunk, piece len or -1 = header, file, mv, off)
             f, off = self._slab.locate(e.slot)
-            rf = self._rfiles[j % nr][f.index]   # reader r's engine
+            rf = self._efiles[j % nr][f.index]   # reader r's engine
             plan.append((i, -1, rf, hmv[j * hb:(j + 1) * hb], off))
             pay = objs[i].byte_array  # type: ignore[union-attr]  # todo: allocated objects only
             for p0 in range(0, e.length, piece):
@@ -892,6 +918,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             d["slots"] = self._slab.slot_count
             d["queued_bytes"] = self._queued_bytes
             d["readers"] = self.readers
+            d["writers"] = self.writers
         return d
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -921,7 +948,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             except (OSError, ValueError):
                 pass
         self._pool_regs = []
-        self._close_readers()
+        self._close_engines()
         log.info("phx L2: closed: %s", {k: v for k, v in self.stats().items() if v})
 
 
