@@ -314,7 +314,7 @@ for batch in ("fail", "short"):
     be.counters, be._logged_fail = collections.defaultdict(int), set()
     # two writers: slots 0 and 2 in this thread, 1 and 3 on a pool thread
     be.writers, be._efiles, be._lock = 2, [[f], [f]], threading.Lock()
-    be._readers = concurrent.futures.ThreadPoolExecutor(1)
+    be._io_pool = concurrent.futures.ThreadPoolExecutor(1)
     work = []
     for i in range(4):
         o = Obj(i)

@@ -235,8 +235,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-crc")
         self._read_hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-rcrc")
-        self._readers = ThreadPoolExecutor(max(4, 2 * self.readers),
-                                           thread_name_prefix="phx-l2-read")
+        # the readers' and the payload writers' pool threads: sized by the engines
+        # (the larger of the two counts), so no share waits for a thread
+        self._io_pool = ThreadPoolExecutor(max(4, 2 * len(self._engines)),
+                                           thread_name_prefix="phx-l2-io")
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="phx-l2-get")
         self._writer = threading.Thread(target=self._writer_loop, name="phx-l2-writer",
                                         daemon=True)
@@ -573,7 +575,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             f, off = self._slab.locate(p.slot)
             shares[(j % nw, f.index)].append((p, off + hb))
         jobs = list(shares.items())
-        futs = [self._readers.submit(self._write_share, w, fi, lst)
+        futs = [self._io_pool.submit(self._write_share, w, fi, lst)
                 for (w, fi), lst in jobs[1:]]
         try:
             if jobs:
@@ -780,7 +782,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             # pieces (the readers already keep the cores busy)
             q = queue.Queue()
             for plan in plans[1:]:
-                self._readers.submit(self._reader, plan, q, False)
+                self._io_pool.submit(self._reader, plan, q, False)
             self._reader(plans[0], q, False)
         crc: dict[int, Any] = {}
         got: dict[int, int] = {}
@@ -938,7 +940,7 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._q.put(None)
         self._writer.join(30.0)
         self._hasher.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self._io_pool.shutdown(wait=True)
         self._calls.shutdown(wait=True)
         self._read_hasher.shutdown(wait=True)
         self._slab.close()
