@@ -172,6 +172,9 @@ def test_bit_flip_in_payload(results: dict[str, Any], fs: str) -> None:
     assert r["auto_readers"]["stats"]["checksum_failures"] == 1
     _exact(r["crc_thread"]["check"], [0, 1, 3], [2, 4, 5, 6, 7])     # crc_thread: true
     assert r["crc_thread"]["stats"]["checksum_failures"] == 1
+    _exact(r["crc_threads"]["check"], [0, 3], [1, 2, 4, 5, 6, 7])   # 3 readers, 3 crc threads
+    assert r["crc_threads"]["stats"]["checksum_failures"] == 1
+    assert r["crc_threads"]["crc_threads"] == ["phx-l2-rcrc0", "phx-l2-rcrc1", "phx-l2-rcrc2"]
     assert r["restart"]["stats"]["pool_registered_bytes"] > 0      # LMCache's pool, fixed
     assert "pool_registered_bytes" not in r["crc_thread"]["stats"]
     assert "payload checksum mismatch" in results["_log"]

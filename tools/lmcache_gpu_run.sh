@@ -16,6 +16,8 @@
 #                                      live (issue 23's measured concurrency, zram, ~5 min;
 #                                      LIVE_ARGS: other bench options)
 #                                      cufile-diag (why LMCache's cufile backend fails, ~1 min)
+#                                      udev (from here on, the udev database entries cuFile
+#                                      needs and this box lacks: tools/udev_db_fill.py)
 #   (EXTRA_TESTS: more pytest paths for the tests step)
 #
 # Carried (git-ignored, in .git/info/exclude): .whl-lmcache (lmcache 0.5.6 and
@@ -117,8 +119,8 @@ step() {
 	# issue 23: why LMCache's cufile backend fails (cuFile 5027) - cuFile's own
 	# calls and LMCache's backend, three configurations, zram and disk, with
 	# cuFile's TRACE logs (~1 min; tools/cufile_diag.py)
-	cufile-diag) log cufile-diag
-		timeout $(time_left) python3 - "$OUT/cufile-diag" "$BENCHDIR" <<'PY' 2>&1 | tee -a "$LOG" | tail -40 ;;
+	cufile-diag) log "cufile-diag${UDEV_FILL:+ (udev database filled)}"
+		timeout $(time_left) python3 - "$OUT/cufile-diag${UDEV_FILL:+-udev}" "$BENCHDIR" <<'PY' 2>&1 | tee -a "$LOG" | tail -40 ;;
 import subprocess, sys
 from phx.bench._zram import zram_ext4
 out, disk = sys.argv[1:]
@@ -126,6 +128,13 @@ with zram_ext4(1 << 30) as z:
     sys.exit(subprocess.call([sys.executable, "tools/cufile_diag.py", out,
                               "--dir", f"zram={z.mountpoint}", "--dir", f"disk={disk}"]))
 PY
+	# this box runs no udevd, so cuFile finds no ID_FS_USAGE for any block
+	# device and registers no file (5027): from here on, what udevd would have
+	# recorded for every ext4/xfs mount, the benches' zram ones included
+	# (tools/udev_db_fill.py; a normal host has it already)
+	udev) log "udev: filling /run/udev/data for cuFile"
+		python3 tools/udev_db_fill.py --watch 0.2 >> "$LOG" 2>&1 &
+		UDEV_FILL=$! ;;
 	*) echo "unknown step $1" | tee -a "$LOG"; return 2 ;;
 	esac
 }
@@ -139,5 +148,6 @@ rc=0
 for s in "$@"; do
 	step "$s" || { rc=$?; log "step $s failed ($rc)"; [ "$s" = setup ] || [ "$s" = build ] && break; }
 done
+[ -z "${UDEV_FILL:-}" ] || kill "$UDEV_FILL" 2>/dev/null
 log "done (rc $rc)"
 exit $rc

@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -363,8 +364,20 @@ def sc_flip_payload(d):
     flip(slab, a["offsets"]["4"] + 4096 + CHUNK // 3)
     # the checksum on the crc thread, LMCache's pool not registered
     ct = run(ph_check, slab, 16, idx, {"crc_thread": True, "register_pool": False})
+    flip(slab, a["offsets"]["1"] + 4096 + CHUNK - 1)              # in its last piece
+
+    def crc_threads(out):
+        # three readers, each handing its chunks' pieces to a crc thread of its own
+        sm, l2, cpu = make(slab, 16, readers=3, crc_thread=True)
+        res = {"check": check(sm, l2, idx), "stats": stats(l2),
+               "crc_threads": sorted(t.name.split("_")[0] for t in threading.enumerate()
+                                     if t.name.startswith("phx-l2-rcrc"))}
+        sm.close()
+        return res
+
+    ct3 = run(crc_threads)
     return {"restart": b, "again": c, "two_readers": two, "auto_readers": many,
-            "crc_thread": ct}
+            "crc_thread": ct, "crc_threads": ct3}
 
 
 def sc_flip_header(d):

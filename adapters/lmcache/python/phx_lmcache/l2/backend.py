@@ -164,9 +164,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         # writer, medians of 4 in one run (docs/lmcache-l2.md, "Writers").
         self.writers = _readers(extra.get("phx_l2.writers", "auto"), "writers")
         preallocate = _as_bool(extra.get("phx_l2.preallocate", True))
-        # crc32c of a get's pieces on a thread of its own (see _reader); off by
-        # default: on the 2-core dev box it cost ~5 % more CPU per byte (the thread
-        # hashes from another core's cache) and gained nothing measurable (no free core)
+        # crc32c of a get's pieces on a thread of its own, one per reader (see
+        # _reader); off by default: on the 2-core dev box it cost ~5 % more CPU per
+        # byte (the thread hashes from another core's cache) and gained nothing
+        # measurable (no free core)
         self.crc_thread = _as_bool(extra.get("phx_l2.crc_thread", False))
         register_pool = _as_bool(extra.get("phx_l2.register_pool", True))
         max_io_kb = int(extra.get("phx_l2.max_io_kb", 0))
@@ -234,7 +235,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._q: queue.Queue[Any] = queue.Queue()
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-crc")
-        self._read_hasher = ThreadPoolExecutor(1, thread_name_prefix="phx-l2-rcrc")
+        # reader r's crc thread (one worker each, so a chunk's pieces, all read by
+        # one reader, are hashed in order); its thread starts at the first use
+        self._read_hashers = [ThreadPoolExecutor(1, thread_name_prefix=f"phx-l2-rcrc{r}")
+                              for r in range(self.readers)]
         # the readers' and the payload writers' pool threads: sized by the engines
         # (the larger of the two counts), so no share waits for a thread
         self._io_pool = ThreadPoolExecutor(max(4, 2 * len(self._engines)),
@@ -771,19 +775,18 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             for p0 in range(0, e.length, piece):
                 n = min(piece, e.length - p0)
                 plan.append((i, n, rf, pay[p0:p0 + n], off + hb + p0))
+        # each reader checksums its own pieces, or hands them to its crc thread
+        hashers = self._read_hashers if self.crc_thread else [None] * nr
         q: Any
         if nr == 1:
-            # one reader: this thread reads and checksums (or hands the crc to the
-            # crc thread)
-            q = _Results()
-            self._reader(plans[0], q, self.crc_thread)
+            q = _Results()      # one reader: this thread
+            self._reader(plans[0], q, hashers[0])
         else:
-            # the others on pool threads, the first here; each checksums its own
-            # pieces (the readers already keep the cores busy)
+            # the others on pool threads, the first here
             q = queue.Queue()
-            for plan in plans[1:]:
-                self._io_pool.submit(self._reader, plan, q, False)
-            self._reader(plans[0], q, False)
+            for r in range(1, nr):
+                self._io_pool.submit(self._reader, plans[r], q, hashers[r])
+            self._reader(plans[0], q, hashers[0])
         crc: dict[int, Any] = {}
         got: dict[int, int] = {}
         failed: dict[int, str] = {}
@@ -812,8 +815,9 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                     got[i] = got.get(i, 0) + n
                     crc[i] = c
         finally:
-            # Every crc the crc thread was given has run before memory goes back
-            # (a chunk's last future comes after all of its pieces: one worker, in order).
+            # Every crc a crc thread was given has run before memory goes back (a
+            # chunk's last future comes after all of its pieces: its reader's crc
+            # thread has one worker and runs them in order).
             for i, c in last.items():
                 try:
                     v = c.result()
@@ -845,15 +849,15 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
             self.counters["get_bytes"] += e.length
 
     def _reader(self, plan: list[tuple[int, int, Any, memoryview, int]], q: Any,
-                crc_thread: bool) -> None:
+                hasher: Optional[ThreadPoolExecutor]) -> None:
         """Submit the plan's reads (``read_window`` pieces in flight), reap them in
         order, checksum each payload piece as soon as it has landed, hand results
         to ``q``: (item, bytes or exception, running crc32c of the chunk: an int, or
         a Future of it when the crc thread computes it).
 
-        With ``crc_thread`` (``phx_l2.crc_thread``) the pieces' crc32c runs on a thread of its
-        own, one piece after another (one worker: a chunk's running crc is chained
-        in order), while this thread goes on reading.  That is what overlaps
+        With a ``hasher`` (this reader's crc thread, ``phx_l2.crc_thread``) the
+        pieces' crc32c runs there, one piece after another (one worker: a chunk's
+        running crc is chained in order), while this thread goes on reading.  That is what overlaps
         checksum and reads on a device that copies in the submitting thread: zram
         (and any synchronous block driver) does the whole read inside
         io_uring_enter, so a crc computed here comes after the read, not beside it."""
@@ -861,7 +865,6 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         limit = self.window
         crc: dict[int, Any] = {}
         verify = self.verify
-        hasher = self._read_hasher if crc_thread else None
         for item in plan:
             try:
                 fut: Any = item[2].pread_async(item[3], item[4])
@@ -942,7 +945,8 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
         self._hasher.shutdown(wait=True)
         self._io_pool.shutdown(wait=True)
         self._calls.shutdown(wait=True)
-        self._read_hasher.shutdown(wait=True)
+        for h in self._read_hashers:
+            h.shutdown(wait=True)
         self._slab.close()
         for eng, part in self._pool_regs:
             try:
