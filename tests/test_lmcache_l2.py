@@ -272,10 +272,11 @@ def test_readers_setting() -> None:
 
 
 def test_payload_writes_keep_what_a_failed_batch_wrote() -> None:
-    """Payloads go out in one ``pwrite_batch`` per writer and slab file; when it fails
-    (which says only that some write failed) each payload is written again on
-    its own, so one payload that cannot be written loses only itself; a short
-    count in a batch that succeeded marks only that payload unwritten."""
+    """Payloads go out in pieces, in one ``pwrite_batch`` per writer and slab file;
+    when it fails (which says only that some write failed) each piece is written
+    again on its own, so one piece that cannot be written loses only its payload
+    (the payload's other pieces were written: still not paid); a short count for
+    one piece in a batch that succeeded marks only that payload unwritten."""
     code = r'''
 import collections, concurrent.futures, json, os, threading
 from phx_lmcache.l2.backend import PhxL2Backend, _Put
@@ -292,7 +293,7 @@ class File:
             raise OSError(28, "No space left on device")
         out = []
         for buf, off in reqs:
-            n = len(buf) - (4096 if off == self.bad else 0)
+            n = len(buf) - (512 if off == self.bad else 0)
             self.written[off] = bytes(buf[:n])
             out.append(n)
         return out
@@ -311,10 +312,11 @@ class Slab:
 
 out = {}
 for batch in ("fail", "short"):
-    f = File(batch, bad=(2 << 20) + 4096)     # slot 2's payload
+    f = File(batch, bad=(2 << 20) + 2 * 4096)     # slot 2's payload's second piece
     be = PhxL2Backend.__new__(PhxL2Backend)
     be.header_bytes, be._slab = 4096, Slab(f)
     be.counters, be._logged_fail = collections.defaultdict(int), set()
+    be.write_piece = 4096      # payloads of 8-9.5 KiB: 2 or 3 pieces each
     # two writers: slots 0 and 2 in this thread, 1 and 3 on a pool thread
     be.writers, be._efiles, be._lock = 2, [[f], [f]], threading.Lock()
     be._io_pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -325,9 +327,11 @@ for batch in ("fail", "short"):
         p.slot = i
         work.append(p)
     be._write_payloads(work)
+    base = [(p.slot << 20) + 4096 for p in work]
     out[batch] = {"paid": [p.paid for p in work],
-                  "exact": [f.written.get((p.slot << 20) + 4096) == p.obj.byte_array
-                            for p in work],
+                  "exact": [b"".join(f.written.get(b + k, b"") for k in range(0, p.nbytes, 4096))
+                            == p.obj.byte_array for b, p in zip(base, work)],
+                  "pieces": len(f.written),
                   "failures": be.counters["payload_failures"]}
 print(json.dumps(out))
 '''
@@ -338,3 +342,6 @@ print(json.dumps(out))
         assert out[case]["paid"] == [True, True, False, True], out
         assert out[case]["exact"] == [True, True, False, True], out
         assert out[case]["failures"] == 1, out
+        # 4 payloads of 8192 + 512 i bytes in 11 pieces: all but slot 2's second
+        # written where each went alone, all (that one short) in the batch
+        assert out[case]["pieces"] == (10 if case == "fail" else 11), out

@@ -25,14 +25,15 @@ def test_bench_l2_small(tmp_path) -> None:
     cmd = [sys.executable, "-m", "phx", "bench", "lmcache", "--mode", "l2", "--dir",
            str(tmp_path / "d"), "--repeat", "1", "--l2-chunk-mib", "1", "--l2-bytes", "8m",
            "--l2-latency", "2", "--l2-recovery", "300",
-           "--l2-methods", "phx,phx-crcthread,phx-1writer,phx-noverify,localdisk-odirect,rawblock-uring",
+           "--l2-methods", "phx,phx-crcthread,phx-1writer,phx-wholewrites,phx-noverify,localdisk-odirect,rawblock-uring",
            "--json", str(out)]
     r = subprocess.run(cmd, env=support.child_env(SITE or ""), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     d = json.loads(out.read_text())["l2"]
     methods = {s["method"] for s in d["summary"]}
-    assert {"phx", "phx-crcthread", "phx-1writer", "phx-noverify", "localdisk-odirect"} <= methods
+    assert {"phx", "phx-crcthread", "phx-1writer", "phx-wholewrites", "phx-noverify",
+            "localdisk-odirect"} <= methods
     assert all(s["byte_exact"] for s in d["summary"])
     phx = [s for s in d["summary"] if s["method"] == "phx"][0]
     assert phx["recovered"] == phx["chunks"] == 8 and phx["put_gbs"] > 0 and phx["get_gbs"] > 0

@@ -72,7 +72,8 @@ bench() {	# $1 name, then phx bench lmcache options
 		grep --line-buffered -v "GDSContext: registered" | tee -a "$LOG" | tail -60
 }
 
-MID="--mode chunks --chunks 32 --latency-chunks 8 --repeat 3 --zram 4G"
+# MID_METHODS: the chunk bench's methods (e.g. phx,cufile,kvikio16,kvikio64,host-odirect)
+MID="--mode chunks --chunks 32 --latency-chunks 8 --repeat 3 --zram 4G ${MID_METHODS:+--methods $MID_METHODS}"
 
 step() {
 	case $1 in

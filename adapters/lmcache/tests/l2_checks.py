@@ -69,9 +69,10 @@ def make_cfg(slab: str, slots: int, **extra: object) -> LMCacheEngineConfig:
           # paths; one reader whatever the CPUs (sc_flip_payload also runs two, and
           # "auto" as on 16 CPUs); two payload writers whatever the CPUs, so every
           # fault below meets puts written by two engines at once (sc_enospc also
-          # runs one, sc_two_files three)
+          # runs one, sc_two_files three); payloads written in 4 pieces each, so a
+          # fault can fail one piece of a chunk and leave the others written
           "phx_l2.read_piece_kb": 64, "phx_l2.read_window": 2, "phx_l2.readers": 1,
-          "phx_l2.writers": 2}
+          "phx_l2.writers": 2, "phx_l2.write_piece_kb": 64}
     ex.update({f"phx_l2.{k}": v for k, v in extra.items()})
     if "," in slab:
         ex["phx_l2.capacity_gb"] = (slab.count(",") + 1) * (4096 + slots * SLOT) / (1 << 30)

@@ -10,6 +10,8 @@ rotated by one each repeat (:func:`run_order`):
   thread of its own, beside the read: what hides the checksum where cores are free)
 * ``phx-1writer`` — the same with ``phx_l2.writers: 1`` (a put batch's payloads
   written by one engine, not by one per usable CPU: what the writers give)
+* ``phx-wholewrites`` — the same with ``phx_l2.write_piece_kb: 0`` (each payload
+  one write, not 2 MiB pieces: what the pieces give)
 * ``phx-noverify`` — the same with ``phx_l2.verify: false`` (the checksum's cost);
   ``PHX_BENCH_L2_MODULE`` names another importable copy of the plugin for both
   (an earlier tree's, for before/after tables)
@@ -44,7 +46,7 @@ from phx.bench._common import drop_caches, fmt_table, median_spread, parse_size
 
 MiB, GiB = 1 << 20, 1 << 30
 #: the phx rows that run checksummed, as users run the tier: stats kept, ratios given
-CHECKED = ("phx", "phx-crcthread", "phx-1writer")
+CHECKED = ("phx", "phx-crcthread", "phx-1writer", "phx-wholewrites")
 METHODS = CHECKED + ("phx-noverify", "localdisk", "localdisk-odirect",
            "rawblock-uring", "rawblock-posix")
 
@@ -96,7 +98,8 @@ def _manager(method: str, d: str, mib: int, nchunks: int, extra_cfg: dict | None
                       "phx_l2.max_queued_gb": 2 * cap / GiB,
                       "phx_l2.verify": method != "phx-noverify",
                       "phx_l2.crc_thread": method == "phx-crcthread",
-                      "phx_l2.writers": 1 if method == "phx-1writer" else "auto"})
+                      "phx_l2.writers": 1 if method == "phx-1writer" else "auto",
+                      "phx_l2.write_piece_kb": 0 if method == "phx-wholewrites" else 2048})
     elif method.startswith("localdisk"):
         name = "LocalDiskBackend"
         kw.update(local_disk=os.path.join(d, "localdisk") + "/",
