@@ -150,5 +150,10 @@ for s in "$@"; do
 	step "$s" || { rc=$?; log "step $s failed ($rc)"; [ "$s" = setup ] || [ "$s" = build ] && break; }
 done
 [ -z "${UDEV_FILL:-}" ] || kill "$UDEV_FILL" 2>/dev/null
+# the device tool brings back a few files from $OUT: each diag folder as one
+for d in "$OUT"/cufile-diag*/; do
+	[ -d "$d" ] || continue
+	tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"
+done
 log "done (rc $rc)"
 exit $rc
