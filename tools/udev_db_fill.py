@@ -61,11 +61,11 @@ def fs_uuid(source: str, fstype: str) -> str | None:
     return f"{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:]}"
 
 
-def fill(db: str) -> list[str]:
+def fill(db: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
     """Write the missing entries; the paths written."""
     os.makedirs(db, exist_ok=True)
     written = []
-    for major, minor, fstype, source in block_mounts():
+    for major, minor, fstype, source in block_mounts(mountinfo):
         path = os.path.join(db, f"b{major}:{minor}")
         if os.path.exists(path):
             continue
