@@ -345,3 +345,50 @@ print(json.dumps(out))
         # 4 payloads of 8192 + 512 i bytes in 11 pieces: all but slot 2's second
         # written where each went alone, all (that one short) in the batch
         assert out[case]["pieces"] == (10 if case == "fail" else 11), out
+
+
+def test_reader_hashes_landed_reads_at_once_and_keeps_a_window_otherwise() -> None:
+    """A reader reaps (and checksums) every read that has landed right after
+    submitting the next: on zram each piece is hashed while still in cache.
+    Reads that have not landed (a device that DMAs) fill the window,
+    ``read_window`` in flight, and are reaped oldest first in both cases."""
+    code = r'''
+import json
+from phx_lmcache.l2.backend import PhxL2Backend, _Results
+
+class Fut:
+    def __init__(self, log, off, landed): self.log, self.off, self.landed = log, off, landed
+    def done(self): return self.landed
+    def result(self, timeout=None):
+        self.log.append(["reap", self.off])
+        return 4096
+
+class File:
+    def __init__(self, log, landed): self.log, self.landed = log, landed
+    def pread_async(self, mv, off):
+        self.log.append(["submit", off])
+        return Fut(self.log, off, self.landed)
+
+out = {}
+for landed in (True, False):
+    log = []
+    be = PhxL2Backend.__new__(PhxL2Backend)
+    be.window, be.verify = 4, True
+    f, buf = File(log, landed), memoryview(bytearray(10 * 4096))
+    plan = [(0, 4096, f, buf[i * 4096:(i + 1) * 4096], i * 4096) for i in range(10)]
+    q = _Results()
+    be._reader(plan, q, None)
+    depth, most = 0, 0
+    for what, _ in log:
+        depth += 1 if what == "submit" else -1
+        most = max(most, depth)
+    out[str(landed)] = {"most": most, "reaped": [o for w, o in log if w == "reap"],
+                        "results": len(q.items)}
+print(json.dumps(out))
+'''
+    r = support.run_py(code, [], support.child_env(SITE or ""))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    order = [i * 4096 for i in range(10)]
+    assert out["True"] == {"most": 1, "reaped": order, "results": 10}, out
+    assert out["False"] == {"most": 4, "reaped": order, "results": 10}, out
