@@ -201,6 +201,7 @@ static int uring_probe(char *why, size_t n)
 struct sq_batch {
 	uint64_t probe;		/* user_data of the last read/write it runs inline */
 	bool sample;		/* probe is set: submit, then look for it */
+	struct chunk *late;	/* the probe, not complete when the call returned */
 };
 
 static void spread_setup(struct be_uring_state *u)
@@ -216,13 +217,42 @@ static void spread_setup(struct be_uring_state *u)
 		open("/proc/loadavg", O_RDONLY | O_CLOEXEC) : -1;
 }
 
-/* A sample (enter_sampled: 1 inline, 0 not, -1 none) moves the score (lock held). */
-static void spread_note(struct be_uring_state *u, int sample)
+/* A sample (1 inline, 0 not, -1 none) moves the score (lock held). */
+static void spread_score(struct be_uring_state *u, int sample)
 {
 	if (sample > 0 && u->inline_score < SPREAD_SCORE_RANGE)
 		u->inline_score++;
 	else if (!sample && u->inline_score > -SPREAD_SCORE_RANGE)
 		u->inline_score--;
+}
+
+/*
+ * What enter_sampled saw (lock held): a probe complete inside the call is
+ * a sample; one that was not is decided when it completes (spread_late).
+ */
+static void spread_note(struct be_uring_state *u, int sample, const struct sq_batch *b)
+{
+	spread_score(u, sample);
+	if (b->late)
+		u->probe_late = b->late;
+}
+
+/*
+ * The completion of a probe that was not complete when its call returned
+ * (lock held, from the reaper).  A device that sleeps explains it - but so
+ * does io_uring itself, which finishes a short read of a regular file in
+ * io-wq: a read across the end of the file returns what there was inline,
+ * then goes to a worker for the rest (and finds 0).  Such a read, or one
+ * that failed, says nothing about the device: no sample.  Without this,
+ * random reads on ext4 on zram that happened to end a batch at the end of
+ * the file kept it from being detected (the uring-spread test, now and
+ * then under load).
+ */
+static void spread_late(struct be_uring_state *u, const struct chunk *c, int res)
+{
+	u->probe_late = NULL;
+	if (res >= 0 && (uint64_t)res >= c->dop.len)
+		spread_score(u, 0);
 }
 
 /* Runnable threads now, all processes, from /proc/loadavg ("0.1 0.2 0.3 R/T P"). */
@@ -519,6 +549,7 @@ static unsigned sq_publish(phx_engine *eng, struct sq_batch *b, bool waiter)
 	struct io_uring_sq *sq = &eng->u.uring.ring.sq;
 
 	b->sample = false;
+	b->late = NULL;
 	if (sq->sqe_head != sq->sqe_tail) {
 		spread_mark(eng, b, waiter);
 		sq->sqe_head = sq->sqe_tail;
@@ -569,19 +600,23 @@ static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 
 /*
  * Submit @n published SQEs without waiting and take @b's sample: *@sample
- * is 1 when its probe completed within the call, 0 when not, -1 when there
- * is none.  Returns ring_enter()'s result.
+ * is 1 when its probe completed within the call, else -1; a probe that did
+ * not goes in @b->late, for its completion to decide (spread_late).
+ * Returns ring_enter()'s result.
  */
-static int enter_sampled(phx_engine *eng, unsigned n, const struct sq_batch *b,
-			 int *sample)
+static int enter_sampled(phx_engine *eng, unsigned n, struct sq_batch *b, int *sample)
 {
 	struct io_uring *ring = &eng->u.uring.ring;
 	unsigned from = io_uring_smp_load_acquire(ring->cq.ktail);
 	int ret = ring_enter(eng, n, 0);
 
 	*sample = -1;
-	if (b->sample && ret > 0)
-		*sample = cq_posted_since(ring, from, b->probe);
+	if (!b->sample || ret <= 0)
+		return ret;
+	if (cq_posted_since(ring, from, b->probe))
+		*sample = 1;
+	else
+		b->late = (struct chunk *)(uintptr_t)b->probe;
 	return ret;
 }
 
@@ -604,7 +639,7 @@ static void submit_now(phx_engine *eng, bool waiter)
 	 * once it has reaped (uring_progress), with the lock dropped.
 	 */
 	enter_sampled(eng, n, &b, &sample);
-	spread_note(&eng->u.uring, sample);
+	spread_note(&eng->u.uring, sample, &b);
 }
 
 /*
@@ -658,6 +693,8 @@ static unsigned reap_locked(phx_engine *eng)
 				eng->inflight--;
 				continue;
 			}
+			if (data == u->probe_late)
+				spread_late(u, data, res);
 			if (((struct chunk *)data)->uring_async) {
 				((struct chunk *)data)->uring_async = false;
 				u->async_inflight--;
@@ -704,7 +741,7 @@ static int enter_backoff(phx_engine *eng, int ret, bool in_kernel)
  * wake-up at the price of CPU time (PHX_SPIN_NS; default 0, never spin).
  */
 static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel,
-		       const struct sq_batch *b, int *sample)
+		       struct sq_batch *b, int *sample)
 {
 	struct be_uring_state *u = &eng->u.uring;
 	/* A batch to sample is submitted first and waited for after. */
@@ -796,7 +833,7 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 					ret = io_uring_wait_cqe_timeout(&u->ring, &cqe, &kts);
 			}
 			pthread_mutex_lock(&eng->lock);
-			spread_note(u, sample);
+			spread_note(u, sample, &b);
 		} else if (eng->features & PHX_FEAT_DEFER_TASKRUN) {
 			/* Run deferred completion work without waiting. */
 			enter_once(eng, 0, 0);

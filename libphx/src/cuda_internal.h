@@ -410,6 +410,7 @@ struct cu_req {
 	uint32_t needed;		/* rounds that carry bytes, once cut */
 	int written;			/* stream writes: rounds in the file */
 	bool publish_claimed;		/* c->lock */
+	bool publish_at_release;	/* killed: published by the last reference */
 	bool arrived;			/* the poller saw the arrival word */
 	bool orphan;			/* its GPU program is only partly queued */
 	uint32_t orphan_rounds;		/* of its rounds, those queued whole */
@@ -447,6 +448,7 @@ bool rq_cut(struct cu_req *rq, struct cu_piece *p, uint32_t *fill, uint32_t size
 void rq_piece_io(struct cu_piece *p);
 void rq_piece_account(struct cu_req *rq, struct cu_piece *p);
 void rq_piece_done(struct cu_piece *p);
+void rq_ref_hold_locked(struct cu_req *rq);
 void rq_ref_drop(struct cu_req *rq, int n);
 void rq_fail(struct cu_req *rq, int64_t err);
 int64_t rq_result(const struct cu_req *rq);

@@ -525,13 +525,25 @@ void rq_piece_done(struct cu_piece *p)
 	rq_ref_drop(p->rq, 1);
 }
 
+/*
+ * One more reference, for a thread about to work on @rq with none of its
+ * own (c->lock held): a round that just went to the GPU is no longer its
+ * lane's to count on - st_kill() may let go of it, and the request end,
+ * in the next instant.
+ */
+void rq_ref_hold_locked(struct cu_req *rq)
+{
+	__atomic_add_fetch(&rq->pieces, 1, __ATOMIC_RELAXED);
+}
+
 /* Drop @n references; the last one ends the request. */
 void rq_ref_drop(struct cu_req *rq, int n)
 {
 	if (n <= 0 || __atomic_sub_fetch(&rq->pieces, n, __ATOMIC_ACQ_REL) != 0)
 		return;
-	if (!rq->stream_op)
-		rq_publish(rq);		/* a stream op published before its last flag */
+	/* a stream op published before its last flag, unless it was killed */
+	if (!rq->stream_op || rq->publish_at_release)
+		rq_publish(rq);
 	rq_release(rq);
 }
 

@@ -374,10 +374,12 @@ void st_round_staged(struct cu_round *r)
 	}
 	p->pstate = P_GPU;
 	last = rq->state == RQ_CUT;
+	rq_ref_hold_locked(rq);
 	pthread_mutex_unlock(&c->lock);
 	if (last)
 		trace(rq, TR_READY);
 	st_advance(rq);
+	rq_ref_drop(rq, 1);
 }
 
 /* A write round's piece is reserved: the kernel may fill it. */
@@ -395,8 +397,10 @@ void st_round_reserved(struct cu_round *r)
 		return;
 	}
 	r->p->pstate = P_GPU;
+	rq_ref_hold_locked(rq);
 	pthread_mutex_unlock(&c->lock);
 	st_advance(rq);
+	rq_ref_drop(rq, 1);
 }
 
 /* A write round's bytes are in the file (or were not written: the request failed). */
@@ -943,7 +947,13 @@ static int program_queue(phx_cuda *c, struct cu_req *rq, CUstream s, bool *arriv
  * Only part of the program could be queued (after the arrival): the op
  * fails (-EIO in *bytes_done) and becomes an orphan.  Its @queued first
  * rounds went in whole; whatever of the next one went in (a wait, a
- * descriptor kernel) must pass without copying anything.  Once the stream
+ * descriptor kernel) must pass without copying anything.  A whole round
+ * may have copied already: lanes start on an op as soon as its stream
+ * reaches it, which can be while this call is still queueing its rounds
+ * (holding them back until the program is in could deadlock an op of
+ * many rounds on CUDA's full command queue).  So the destination holds
+ * the file's bytes in some of its places and its old bytes in the rest,
+ * never anything else.  Once the stream
  * is past the last whole round the poller calls st_orphan_end(): the
  * slot's descriptors are zeroed, its flag raised all the way, and the slot
  * is never used again, since nothing tells when the stream is past those
@@ -959,7 +969,7 @@ static void orphan(phx_cuda *c, struct cu_req *rq, uint32_t queued)
 	 * The result must be in *bytes_done before the stream goes past the op,
 	 * and nothing queued for it will hold the stream until the poller
 	 * publishes (its end was never queued; st_orphan_end() raises the flag
-	 * before st_kill() publishes, and a program cut at a round boundary has
+	 * before the op is published, and a program cut at a round boundary has
 	 * no wait left at all): so write it now, in the call.  The publish later
 	 * writes the same -EIO again.
 	 */
@@ -1120,13 +1130,20 @@ fail_early:
  * round.  End it now with @err.  Buffers waiting for its kernels are free;
  * rounds still in file I/O let go of theirs when it ends (the request has
  * failed, so nothing more is copied or written).
+ *
+ * Its result is published by its last reference (rq_ref_drop), not here:
+ * a lane may be starting one of its pieces right now - it saw no error a
+ * moment ago - and uses the file entry (rq->cf) that the publish lets go
+ * of.  Freed under it once (ASan, the fake-CUDA test of partly queued ops).
+ * An orphan's result is in *bytes_done already (orphan()); a dead
+ * context's streams run nothing that could read it.
  */
 void st_kill(struct cu_req *rq, int err)
 {
 	phx_cuda *c = rq->c;
 	uint32_t k;
 	int drop = 0;
-	bool publish = false, cutting = false;
+	bool cutting = false;
 
 	rq_fail(rq, err);
 	pthread_mutex_lock(&c->lock);
@@ -1150,11 +1167,9 @@ void st_kill(struct cu_req *rq, int err)
 	}
 	if (!rq->publish_claimed) {
 		rq->publish_claimed = true;
-		publish = true;
+		rq->publish_at_release = true;
 	}
 	pthread_mutex_unlock(&c->lock);
-	if (publish)
-		rq_publish(rq);
 	if (!rq->orphan)
 		stat_add(c, &c->st.broken, 1);
 	rq_ref_drop(rq, drop + (cutting ? 1 : 0));

@@ -231,6 +231,8 @@ struct be_uring_state {
 	uint8_t spread;		/* enum uring_spread (PHX_URING_SPREAD) */
 	int32_t inline_score;	/* sampled batches whose ops completed inside the
 				 * submitting call minus those whose did not */
+	struct chunk *probe_late;	/* a sampled batch's last op, not complete
+					 * when its call returned (spread_late) */
 	uint32_t max_workers;	/* the CPUs beside the submitting thread */
 	uint32_t iowq_cap;	/* io-wq's workers as last capped (0: never) */
 	unsigned iowq_found[2];	/* io-wq's limits before the first cap */
