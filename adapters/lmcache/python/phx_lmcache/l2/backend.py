@@ -636,10 +636,10 @@ class PhxL2Backend(StoragePluginInterface):  # type: ignore[misc]  # lmcache is 
                 err[k] = err[k] or e
         for k, (p, _) in enumerate(lst):
             # the pieces cover the payload and each was checked whole above
-            e = err[k]
-            p.paid = e is None
-            if e is not None:
-                self._fail("payload", path, e)
+            bad = err[k]
+            p.paid = bad is None
+            if bad is not None:
+                self._fail("payload", path, bad)
 
     def _write_headers(self, ok: list[_Put]) -> None:
         if not ok:
