@@ -201,7 +201,8 @@ static int uring_probe(char *why, size_t n)
 struct sq_batch {
 	uint64_t probe;		/* user_data of the last read/write it runs inline */
 	bool sample;		/* probe is set: submit, then look for it */
-	struct chunk *late;	/* the probe, not complete when the call returned */
+	int8_t seen;		/* after the entry: 1 the probe completed within it,
+				 * 0 it did not (its completion decides), -1 no sample */
 };
 
 static void spread_setup(struct be_uring_state *u)
@@ -217,7 +218,7 @@ static void spread_setup(struct be_uring_state *u)
 		open("/proc/loadavg", O_RDONLY | O_CLOEXEC) : -1;
 }
 
-/* A sample (1 inline, 0 not, -1 none) moves the score (lock held). */
+/* A sample (1 inline, 0 not) moves the score (lock held). */
 static void spread_score(struct be_uring_state *u, int sample)
 {
 	if (sample > 0 && u->inline_score < SPREAD_SCORE_RANGE)
@@ -230,11 +231,12 @@ static void spread_score(struct be_uring_state *u, int sample)
  * What enter_sampled saw (lock held): a probe complete inside the call is
  * a sample; one that was not is decided when it completes (spread_late).
  */
-static void spread_note(struct be_uring_state *u, int sample, const struct sq_batch *b)
+static void spread_note(struct be_uring_state *u, const struct sq_batch *b)
 {
-	spread_score(u, sample);
-	if (b->late)
-		u->probe_late = b->late;
+	if (b->seen > 0)
+		spread_score(u, 1);
+	else if (!b->seen)
+		u->probe_late = (struct chunk *)(uintptr_t)b->probe;
 }
 
 /*
@@ -549,7 +551,7 @@ static unsigned sq_publish(phx_engine *eng, struct sq_batch *b, bool waiter)
 	struct io_uring_sq *sq = &eng->u.uring.ring.sq;
 
 	b->sample = false;
-	b->late = NULL;
+	b->seen = -1;
 	if (sq->sqe_head != sq->sqe_tail) {
 		spread_mark(eng, b, waiter);
 		sq->sqe_head = sq->sqe_tail;
@@ -599,24 +601,17 @@ static int ring_enter(phx_engine *eng, unsigned to_submit, unsigned wait_nr)
 }
 
 /*
- * Submit @n published SQEs without waiting and take @b's sample: *@sample
- * is 1 when its probe completed within the call, else -1; a probe that did
- * not goes in @b->late, for its completion to decide (spread_late).
- * Returns ring_enter()'s result.
+ * Submit @n published SQEs without waiting and see whether @b's probe
+ * completed within the call (@b->seen).  Returns ring_enter()'s result.
  */
-static int enter_sampled(phx_engine *eng, unsigned n, struct sq_batch *b, int *sample)
+static int enter_sampled(phx_engine *eng, unsigned n, struct sq_batch *b)
 {
 	struct io_uring *ring = &eng->u.uring.ring;
 	unsigned from = io_uring_smp_load_acquire(ring->cq.ktail);
 	int ret = ring_enter(eng, n, 0);
 
-	*sample = -1;
-	if (!b->sample || ret <= 0)
-		return ret;
-	if (cq_posted_since(ring, from, b->probe))
-		*sample = 1;
-	else
-		b->late = (struct chunk *)(uintptr_t)b->probe;
+	if (b->sample && ret > 0)
+		b->seen = cq_posted_since(ring, from, b->probe);
 	return ret;
 }
 
@@ -625,7 +620,6 @@ static void submit_now(phx_engine *eng, bool waiter)
 {
 	struct sq_batch b;
 	unsigned n;
-	int sample;
 
 	if (!eng->unsubmitted && !io_uring_sq_ready(&eng->u.uring.ring))
 		return;
@@ -638,8 +632,8 @@ static void submit_now(phx_engine *eng, bool waiter)
 	 * reaped) leave the SQEs in the ring: the reaper submits them again
 	 * once it has reaped (uring_progress), with the lock dropped.
 	 */
-	enter_sampled(eng, n, &b, &sample);
-	spread_note(&eng->u.uring, sample, &b);
+	enter_sampled(eng, n, &b);
+	spread_note(&eng->u.uring, &b);
 }
 
 /*
@@ -741,7 +735,7 @@ static int enter_backoff(phx_engine *eng, int ret, bool in_kernel)
  * wake-up at the price of CPU time (PHX_SPIN_NS; default 0, never spin).
  */
 static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel,
-		       struct sq_batch *b, int *sample)
+		       struct sq_batch *b)
 {
 	struct be_uring_state *u = &eng->u.uring;
 	/* A batch to sample is submitted first and waited for after. */
@@ -749,11 +743,10 @@ static int reaper_wait(phx_engine *eng, unsigned n, bool in_kernel,
 	int64_t until;
 	int ret;
 
-	*sample = -1;
 	if (!apart && !io_uring_cq_ready(&u->ring))
 		ret = ring_enter(eng, n, 1);
 	else
-		ret = n ? enter_sampled(eng, n, b, sample) : 0;
+		ret = n ? enter_sampled(eng, n, b) : 0;
 	if (ret == -EAGAIN || ret == -EBUSY)
 		return enter_backoff(eng, ret, in_kernel);
 	if (ret < 0 || !apart || io_uring_cq_ready(&u->ring))
@@ -811,13 +804,12 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 			struct sq_batch b;
 			unsigned n = sq_publish(eng, &b, true);
 			bool in_kernel = eng->inflight > n;
-			int sample = -1;
 
 			if (n)
 				eng->st.submits++;
 			pthread_mutex_unlock(&eng->lock);
 			if (deadline < 0) {
-				ret = reaper_wait(eng, n, in_kernel, &b, &sample);
+				ret = reaper_wait(eng, n, in_kernel, &b);
 				ret = ret < 0 ? ret : 0;
 			} else {
 				int64_t left = deadline - phx_now_ns();
@@ -826,14 +818,14 @@ static int uring_progress(phx_engine *eng, struct phx_io *io, int64_t timeout_ns
 					.tv_nsec = left > 0 ? left % 1000000000 : 0,
 				};
 
-				ret = n ? enter_sampled(eng, n, &b, &sample) : 0;
+				ret = n ? enter_sampled(eng, n, &b) : 0;
 				if (ret == -EAGAIN || ret == -EBUSY)
 					ret = enter_backoff(eng, ret, in_kernel);
 				if (ret >= 0)
 					ret = io_uring_wait_cqe_timeout(&u->ring, &cqe, &kts);
 			}
 			pthread_mutex_lock(&eng->lock);
-			spread_note(u, sample, &b);
+			spread_note(u, &b);
 		} else if (eng->features & PHX_FEAT_DEFER_TASKRUN) {
 			/* Run deferred completion work without waiting. */
 			enter_once(eng, 0, 0);
