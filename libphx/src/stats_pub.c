@@ -417,13 +417,29 @@ static void pub_atfork_parent(void)
 	pthread_mutex_unlock(&pub.lock);
 }
 
+/* The publishing thread's wake-up, timed on CLOCK_MONOTONIC. */
+static void wake_init(void)
+{
+	pthread_condattr_t ca;
+
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&pub.wake, &ca);
+	pthread_condattr_destroy(&ca);
+}
+
 /*
  * The child has no publishing thread and must not write the parent's file:
  * it forgets both (its sources' records are freed when removed) and makes
- * its own file for what it publishes itself.
+ * its own file for what it publishes itself.  Its copy of the wake-up is
+ * made anew: the parent's thread was waiting on it at the fork, and glibc's
+ * condvar counts that waiter, which never leaves in the child - its first
+ * broadcast waited for it forever (engine-backend's forked child, hung in
+ * phx_engine_destroy, 2026-12-07).
  */
 static void pub_atfork_child(void)
 {
+	wake_init();
 	if (pub.hdr)
 		munmap(pub.hdr, pub.size);
 	if (pub.fd >= 0)
@@ -440,12 +456,7 @@ static void pub_atfork_child(void)
 
 static void pub_init(void)
 {
-	pthread_condattr_t ca;
-
-	pthread_condattr_init(&ca);
-	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-	pthread_cond_init(&pub.wake, &ca);
-	pthread_condattr_destroy(&ca);
+	wake_init();
 	pthread_atfork(pub_atfork_prepare, pub_atfork_parent, pub_atfork_child);
 }
 

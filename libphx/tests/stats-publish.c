@@ -4,7 +4,8 @@
  * a kind's names fixed by its first source, values published and read back
  * through the file's own tables (as phx.livestats reads them), a fill that
  * cannot read its counters keeping the last ones, the slot table full
- * (-ENOSPC) and a removed source's slot given back.
+ * (-ENOSPC) and a removed source's slot given back; forked children that
+ * publish and unpublish while the parent's publishing thread waits.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -14,6 +15,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "helpers.h"
@@ -84,6 +86,45 @@ static int find(const char *path, const char *label, uint64_t *v0, uint64_t *v1)
 	return ret;
 }
 
+/*
+ * Children forked while a process publishes every millisecond (its thread
+ * waking and waiting all the time) add, publish and remove a source of
+ * their own.  Each must finish: the child's copy of the thread's wake-up
+ * once counted the parent's waiting thread, and a broadcast in the child
+ * could wait for it for ever (seen once in engine-backend's forked child).
+ * Run in a child of its own, whose libphx starts publishing afresh with
+ * that interval; SIGALRM ends a child that hangs.
+ */
+static int fork_children(const char *const *names)
+{
+	phx_stats_source *a, *c;
+	int k, st;
+
+	setenv("PHX_STATS_INTERVAL_MS", "1", 1);
+	if (phx_stats_source_add("test", names, 2, "parent", fill, NULL, &a))
+		return 1;
+	for (k = 0; k < 300; k++) {
+		pid_t pid = fork();
+
+		if (pid < 0)
+			return 1;
+		if (!pid) {
+			alarm(10);
+			if (phx_stats_source_add("test", names, 2, "child", fill, NULL, &c))
+				_exit(1);
+			phx_stats_publish();
+			phx_stats_source_remove(c);
+			_exit(0);
+		}
+		if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st)) {
+			fprintf(stderr, "forked child %d: status 0x%x\n", k, st);
+			return 1;
+		}
+	}
+	phx_stats_source_remove(a);
+	return 0;
+}
+
 int main(void)
 {
 	static const char *const names[] = { "ops", "tag" };
@@ -146,6 +187,12 @@ int main(void)
 	while (i--)
 		phx_stats_source_remove(many[i]);
 	phx_stats_source_remove(NULL);
+	ret = fork();
+	CHECK(ret >= 0);
+	if (!ret)
+		_exit(fork_children(names));
+	CHECK(waitpid(ret, &n, 0) == ret);
+	T_CHECK(WIFEXITED(n) && !WEXITSTATUS(n), "forking publisher: status 0x%x", n);
 	printf("stats-publish: ok (%s)\n", path);
 	unlink(path);
 	rmdir(dir);
